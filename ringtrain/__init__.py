@@ -1,0 +1,19 @@
+"""ringtrain: data-parallel training under MPI with a ring allreduce.
+
+The public API; see README.md for the commands.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import MismatchError, UsageError
+from .failure import abort_on_error, agree
+from .topology import TaskSpec
+
+__all__ = [
+    "__version__",
+    "TaskSpec",
+    "UsageError",
+    "MismatchError",
+    "abort_on_error",
+    "agree",
+]

@@ -1,0 +1,1 @@
+"""One module per ``ringtrain`` subcommand: ``HELP``, ``add_arguments(parser)``, ``run(args)``."""

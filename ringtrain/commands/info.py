@@ -1,0 +1,48 @@
+"""``ringtrain info``: every rank's place in the job, printed once by rank 0."""
+
+from ..topology import TaskSpec
+
+HELP = "show every rank's host, local rank, node and device, and the MPI library"
+
+
+def add_arguments(parser):
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def table(specs):
+    """Format a list of TaskSpecs (indexed by rank) as a fixed-width table."""
+    header = ("rank", "host", "local", "node", "device")
+    rows = [
+        (str(s.rank), s.hostname, f"{s.local_rank}/{s.local_size}", f"{s.node_rank}/{s.num_nodes}",
+         "cpu" if s.device is None else f"gpu {s.device}")
+        for s in specs
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*r).rstrip() for r in [header, *rows])
+
+
+def run(args):
+    import dataclasses
+    import json
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    spec = TaskSpec.from_mpi(comm)
+    specs = comm.gather(spec, root=0)
+    if not spec.is_master:
+        return 0
+    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    if args.json:
+        print(json.dumps({
+            "mpi_library": library,
+            "mpi_version": "%d.%d" % MPI.Get_version(),
+            "size": spec.size,
+            "num_nodes": spec.num_nodes,
+            "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "hosts"} for s in specs],
+        }, indent=2))
+        return 0
+    print(f"ringtrain: {spec.size} rank(s) on {spec.num_nodes} node(s); MPI: {library}")
+    print(table(specs))
+    return 0

@@ -1,0 +1,13 @@
+"""``ringtrain plot``: not written yet."""
+
+from ..errors import UsageError
+
+HELP = "(not available yet)"
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise UsageError("'ringtrain plot' is not available yet", everywhere=True)

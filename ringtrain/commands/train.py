@@ -1,0 +1,13 @@
+"""``ringtrain train``: not written yet."""
+
+from ..errors import UsageError
+
+HELP = "(not available yet)"
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise UsageError("'ringtrain train' is not available yet", everywhere=True)

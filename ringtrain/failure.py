@@ -1,0 +1,87 @@
+"""How a failure on one rank ends the whole job instead of hanging it.
+
+With mpi4py's defaults an exception on one rank ends that process while its
+peers sit in the next collective forever. ringtrain closes that hole in two
+ways:
+
+* :func:`agree` turns a check made on every rank into one verdict that every
+  rank acts on, so an input error found on one rank is raised on all of them
+  before any training collective (no one is left waiting, nobody aborts).
+* :func:`abort_on_error` is the last resort: an exception that escapes it is
+  printed as ``rank R: <error>`` and the job is ended with ``MPI_Abort``, which
+  makes ``mpirun`` kill every rank and exit non-zero.
+"""
+
+import contextlib
+import sys
+import traceback
+
+from .errors import UsageError
+
+__all__ = ["agree", "abort_on_error", "describe"]
+
+
+def describe(exc):
+    """One line for an exception: ``TypeName: message`` (message only for user errors)."""
+    if isinstance(exc, UsageError):
+        return str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def agree(comm, problem):
+    """Make a per-rank check into one verdict on every rank.
+
+    Collective: every rank of ``comm`` must call it, at the same point.
+
+    Args:
+        comm: the communicator whose ranks must agree.
+        problem: ``None`` when this rank found nothing wrong, else a one-line
+            description of what it found.
+
+    Raises:
+        UsageError: on every rank (``everywhere=True``) if any rank reported a
+            problem; the message is the lowest such rank's, naming that rank
+            when there is more than one rank.
+    """
+    problems = comm.allgather(problem)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            where = f"rank {rank}: " if comm.Get_size() > 1 else ""
+            raise UsageError(where + found, everywhere=True)
+
+
+@contextlib.contextmanager
+def abort_on_error(comm=None, stream=None):
+    """Abort the whole MPI job if the body raises; never leave peers waiting.
+
+    A :class:`UsageError` raised on every rank (``everywhere=True``) or in a
+    single-process job propagates, so the caller can exit with status 2. Any
+    other exception is printed (traceback, then ``rank R: <error>``) and the
+    job is aborted with ``MPI_Abort``: status 2 for a user error seen on one
+    rank only, 1 for everything else. ``KeyboardInterrupt`` aborts too,
+    because a rank that stops alone strands its peers just the same.
+
+    Args:
+        comm: communicator to abort (default ``MPI.COMM_WORLD``).
+        stream: where to print (default ``sys.stderr``).
+    """
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - we must catch everything to abort
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            raise
+        from mpi4py import MPI
+
+        comm = comm if comm is not None else MPI.COMM_WORLD
+        if isinstance(exc, UsageError) and (exc.everywhere or comm.Get_size() == 1):
+            raise
+        if isinstance(exc, SystemExit) and comm.Get_size() == 1:
+            raise
+        stream = stream if stream is not None else sys.stderr
+        code = 2 if isinstance(exc, UsageError) else 1
+        if not isinstance(exc, (UsageError, SystemExit, KeyboardInterrupt)):
+            traceback.print_exception(exc, file=stream)
+        stream.write(f"rank {comm.Get_rank()}: {describe(exc)}\n")
+        stream.flush()
+        comm.Abort(code)

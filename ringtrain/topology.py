@@ -1,0 +1,130 @@
+"""Where a rank sits in the cluster, learned from MPI itself.
+
+Distributed TensorFlow made users write a ClusterSpec by hand (every host and
+port) and TensorLayer read a TaskSpec from an environment variable; under MPI
+the launcher already knows all of it, so :meth:`TaskSpec.from_mpi` asks the
+communicator instead.
+"""
+
+import dataclasses
+import socket
+
+from . import backend
+
+__all__ = ["TaskSpec", "node_layout"]
+
+
+def node_layout(hosts):
+    """Number the distinct hosts in order of their lowest rank.
+
+    A pure function, so it is tested without MPI.
+
+    Args:
+        hosts: every rank's host name, indexed by rank.
+
+    Returns:
+        ``(node_of_rank, local_rank_of_rank)``: two lists indexed by rank.
+    """
+    node_ids = {}
+    local_counts = {}
+    node_of_rank, local_rank = [], []
+    for host in hosts:
+        node_ids.setdefault(host, len(node_ids))
+        node_of_rank.append(node_ids[host])
+        local_rank.append(local_counts.get(host, 0))
+        local_counts[host] = local_rank[-1] + 1
+    return node_of_rank, local_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """One rank's place in the job: a plain, frozen record.
+
+    Attributes:
+        rank: this process's rank in the communicator.
+        size: number of ranks.
+        local_rank: rank among the processes sharing this host's memory.
+        local_size: number of ranks on this host.
+        node_rank: index of this host, hosts numbered by their lowest rank.
+        num_nodes: number of distinct hosts.
+        hostname: this host's name as MPI reports it.
+        hosts: every rank's host name, indexed by rank (the cluster view).
+        device: the GPU this rank should use (``local_rank % device_count``),
+            or ``None`` when CuPy sees no GPU.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    hosts: tuple = ()
+    device: object = None
+
+    @property
+    def is_master(self):
+        """True on rank 0, the only rank that logs and writes files."""
+        return self.rank == 0
+
+    @property
+    def nodes(self):
+        """Host name of each node, indexed by node rank."""
+        seen = []
+        for host in self.hosts:
+            if host not in seen:
+                seen.append(host)
+        return tuple(seen)
+
+    def ranks_on(self, node):
+        """The ranks that run on node ``node`` (an index or a host name)."""
+        host = self.nodes[node] if isinstance(node, int) else node
+        return tuple(r for r, h in enumerate(self.hosts) if h == host)
+
+    @classmethod
+    def from_mpi(cls, comm=None, device_count=None):
+        """Build this rank's TaskSpec from a communicator.
+
+        Collective: every rank of ``comm`` must call it. Without ``mpirun``
+        the process is rank 0 of a world of 1.
+
+        Args:
+            comm: the communicator (default ``MPI.COMM_WORLD``).
+            device_count: GPUs per host; default asks CuPy (0 without one).
+        """
+        from mpi4py import MPI
+
+        comm = comm if comm is not None else MPI.COMM_WORLD
+        hostname = MPI.Get_processor_name()
+        hosts = tuple(comm.allgather(hostname))
+        # The node numbering comes from host names, which every rank sees the
+        # same; the local rank comes from MPI's shared-memory split, which is
+        # what "on this host" means to the MPI library.
+        node_of_rank, _ = node_layout(hosts)
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            local_rank, local_size = local.Get_rank(), local.Get_size()
+        finally:
+            local.Free()
+        count = backend.device_count() if device_count is None else device_count
+        rank = comm.Get_rank()
+        return cls(
+            rank=rank,
+            size=comm.Get_size(),
+            local_rank=local_rank,
+            local_size=local_size,
+            node_rank=node_of_rank[rank],
+            num_nodes=max(node_of_rank) + 1,
+            hostname=hostname,
+            hosts=hosts,
+            device=(local_rank % count) if count else None,
+        )
+
+    def describe(self):
+        """A one-line summary of this rank, for logs."""
+        gpu = "cpu" if self.device is None else f"gpu {self.device}"
+        return (
+            f"rank {self.rank}/{self.size} on {self.hostname} "
+            f"(node {self.node_rank}/{self.num_nodes}, local {self.local_rank}/{self.local_size}, {gpu})"
+        )

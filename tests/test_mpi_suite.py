@@ -1,0 +1,26 @@
+"""Runs every file in tests/mpi under real mpirun, at 1, 2, 3 and 4 ranks.
+
+Each (file, size) is one job with a time bound, so a hang fails that job
+instead of the whole suite. 4 ranks oversubscribe this 2-core machine on
+purpose.
+"""
+
+import glob
+import os
+import sys
+
+import pytest
+
+from mpirun import ROOT, mpirun, show
+
+FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "mpi", "test_*.py")))
+SIZES = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("path", FILES, ids=[os.path.basename(p)[5:-3] for p in FILES])
+def test_under_mpirun(path, size):
+    result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                           "-x", path], timeout=300)
+    # pytest exits 5 when a file's tests all need more ranks than this size.
+    assert result.returncode in (0, 5), show(result)
