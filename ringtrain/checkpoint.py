@@ -1,0 +1,524 @@
+"""Checkpoints: atomic, checksummed save; verified load; keep the newest K.
+
+Only rank 0 calls these; the trainer broadcasts what it loads. Nothing here
+talks to MPI.
+
+The format is one ``.npz`` file per checkpoint (an uncompressed zip of
+``.npy`` members), so NumPy and anything else that reads zip and ``.npy``
+can open it; nothing is pickled, and loading refuses pickled members. Each
+array is a member under the name the trainer gave it (``params/fc1.weight``,
+``optim/momentum/fc1.weight``, ...), in the order given. The member
+``__meta__`` is a uint8 array holding UTF-8 JSON: the trainer's metadata plus
+``format`` (``"ringtrain-checkpoint"``), ``format_version``, ``step`` and
+``sha256``. Any reader can get at it with::
+
+    meta = json.loads(np.load(path)["__meta__"].tobytes())
+
+The checksum is SHA-256 over a canonical serialisation of every array (name,
+dtype, shape, C-order bytes, sorted by name) and of the metadata without the
+``sha256`` key. Zip's own CRC-32 covers only the member data, not the names,
+the ``.npy`` headers or the central directory, and a truncated or mangled
+zip can still parse; the checksum is what makes a damaged file fail loudly
+instead of loading wrong numbers.
+
+A save writes ``.ckpt-00000120.npz.tmp-<pid>`` in the same directory, fsyncs
+it, renames it onto ``ckpt-00000120.npz`` (atomic on POSIX) and fsyncs the
+directory, so a crash at any moment leaves either the old set of checkpoints
+or the old set plus the new one, never a half-written ``ckpt-*.npz``.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import re
+import warnings
+import zipfile
+
+import numpy as np
+
+from .errors import UsageError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "checkpoint_name",
+    "latest_valid_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_checkpoint",
+    "save_checkpoint",
+]
+
+FORMAT = "ringtrain-checkpoint"
+FORMAT_VERSION = 1
+
+META_KEY = "__meta__"
+# Keys save_checkpoint writes into the metadata itself.
+_RESERVED = ("format", "format_version", "step", "sha256")
+# bool, integers, floats, complex, bytes and str: what .npy stores without
+# pickling and every reader understands.
+_PLAIN_KINDS = "biufcSU"
+_NAME_RE = re.compile(r"^ckpt-(\d+)\.npz$")
+_TEMP_RE = re.compile(r"^\.ckpt-\d+\.npz\.tmp-(\d+)$")
+_CHECKPOINT_DIR = "checkpoints"
+
+
+class CheckpointError(UsageError):
+    """A checkpoint could not be written, or a file is not a whole checkpoint.
+
+    The message is one line naming the file (or directory) and the problem.
+    """
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint or a stale temporary file was skipped."""
+
+
+def checkpoint_name(step):
+    """Return the file name for ``step``: ``ckpt-00000120.npz``."""
+    return f"ckpt-{step:08d}.npz"
+
+
+# ----------------------------------------------------------------------------
+# canonical serialisation and checksum
+
+
+def _canonical_json(obj):
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
+def _json_default(obj):
+    # NumPy scalars and small arrays turn up in configurations and RNG state.
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (tuple, set, frozenset)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _hash_array(h, name, array):
+    header = json.dumps(
+        [name, np.lib.format.dtype_to_descr(array.dtype), list(array.shape)],
+        separators=(",", ":"),
+    ).encode()
+    # Length prefixes make the serialisation unambiguous.
+    h.update(len(header).to_bytes(8, "little"))
+    h.update(header)
+    h.update(array.nbytes.to_bytes(8, "little"))
+    # ravel() is a view for C-contiguous arrays; hashing the view's bytes
+    # avoids a copy of the data.
+    h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _hash_meta(h, meta_without_sum):
+    text = _canonical_json(meta_without_sum).encode()
+    h.update(b"\0meta")
+    h.update(len(text).to_bytes(8, "little"))
+    h.update(text)
+
+
+def _new_hash():
+    h = hashlib.sha256()
+    h.update(f"{FORMAT}\0{FORMAT_VERSION}\0".encode())
+    return h
+
+
+def _checksum(arrays, meta_without_sum):
+    h = _new_hash()
+    for name in sorted(arrays):
+        _hash_array(h, name, arrays[name])
+    _hash_meta(h, meta_without_sum)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------
+# saving
+
+
+def _check_arrays(arrays):
+    checked = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"array names must be non-empty strings, got {name!r}")
+        if name == META_KEY:
+            raise ValueError(f"array name {META_KEY!r} is reserved for the metadata")
+        array = np.asarray(value)
+        if array.dtype.kind not in _PLAIN_KINDS or array.dtype.fields is not None:
+            raise ValueError(
+                f"array {name!r} has dtype {array.dtype}; checkpoints hold bool, "
+                "integer, float, complex, bytes and str arrays only (never pickles)"
+            )
+        checked[name] = array
+    return checked
+
+
+def _prepare_meta(step, metadata):
+    metadata = dict(metadata or {})
+    for key in _RESERVED:
+        if key in metadata and not (key == "step" and metadata[key] == step):
+            raise ValueError(f"metadata key {key!r} is reserved; save_checkpoint sets it")
+    metadata.update(format=FORMAT, format_version=FORMAT_VERSION, step=step)
+    try:
+        text = json.dumps(metadata, default=_json_default, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"checkpoint metadata is not JSON serialisable: {exc}") from None
+    # Hash what a reader will see after parsing, not the Python objects.
+    return json.loads(text)
+
+
+def _fsync_directory(directory):
+    # The rename is durable only once the directory entry itself is on disk.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_npz(fileobj, arrays, meta):
+    """Write ``arrays`` and ``meta`` as an uncompressed npz; return the meta written.
+
+    The checksum is computed in the same pass, from the arrays in memory.
+    """
+    h = _new_hash()
+    with zipfile.ZipFile(fileobj, mode="w", compression=zipfile.ZIP_STORED) as zf:
+        # Members go in the caller's order (the model's layer order); the hash
+        # goes over sorted names so it does not depend on that order.
+        for name in arrays:
+            with zf.open(name + ".npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, arrays[name], allow_pickle=False)
+        for name in sorted(arrays):
+            _hash_array(h, name, arrays[name])
+        _hash_meta(h, meta)
+        meta = dict(meta, sha256=h.hexdigest())
+        blob = np.frombuffer(_canonical_json(meta).encode(), dtype=np.uint8)
+        with zf.open(META_KEY + ".npy", mode="w", force_zip64=True) as member:
+            np.lib.format.write_array(member, blob, allow_pickle=False)
+    return meta
+
+
+def save_checkpoint(directory, step, arrays, metadata=None, keep=3):
+    """Write one checkpoint atomically, then keep only the newest ``keep``.
+
+    Args:
+        directory: where checkpoints live (created if missing).
+        step: the global step; names the file ``ckpt-<step, 8 digits>.npz``.
+        arrays: flat dict name -> NumPy array, e.g. ``"params/fc1.weight"``,
+            ``"optim/momentum/fc1.weight"``. Plain dtypes only.
+        metadata: JSON-able dict (epoch, configuration, RNG and data
+            position, ...). The keys ``format``, ``format_version`` and
+            ``sha256`` are reserved; ``step`` is filled in from ``step``.
+        keep: how many checkpoints at or below ``step`` to keep, this one
+            included; ``None`` keeps all. Checkpoints with a higher step (left
+            by a run that was resumed from an earlier point) are not touched.
+
+    Returns:
+        The path of the new checkpoint (a str).
+
+    Raises:
+        CheckpointError: the file could not be written (disk full, no
+            permission, ...). The temporary file is removed and the existing
+            checkpoints are untouched.
+        ValueError, TypeError: bad arguments (a programming error).
+    """
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    step = int(step)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep!r}")
+    arrays = _check_arrays(arrays)
+    meta = _prepare_meta(step, metadata)
+
+    directory = os.fspath(directory)
+    final = os.path.join(directory, checkpoint_name(step))
+    temp = os.path.join(directory, f".{checkpoint_name(step)}.tmp-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(temp, "wb") as f:
+            _write_npz(f, arrays, meta)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, final)
+        _fsync_directory(directory)
+    except BaseException as exc:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            reason = exc.strerror or str(exc)
+            raise CheckpointError(
+                f"could not write checkpoint {final}: {reason} "
+                "(earlier checkpoints are untouched)"
+            ) from exc
+        raise
+    _prune(directory, step, keep)
+    return final
+
+
+def _prune(directory, step, keep):
+    """Delete checkpoints older than the newest ``keep`` and dead temporaries."""
+    if keep is not None:
+        older = [(s, p) for s, p in _steps_and_paths(directory) if s <= step]
+        for _, path in older[keep:]:
+            _remove_quietly(path)
+    for path in _stale_temporaries(directory):
+        _remove_quietly(path)
+
+
+def _remove_quietly(path):
+    # Pruning is housekeeping: failing to delete an old file must not turn a
+    # successful save into an error.
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _pid_alive(pid):
+    if pid == os.getpid():
+        return False  # our own saves always clean up, so any leftover is stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _stale_temporaries(directory):
+    """Temporaries left by a save that died (its process is gone)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    stale = []
+    for name in sorted(names):
+        match = _TEMP_RE.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            stale.append(os.path.join(directory, name))
+    return stale
+
+
+# ----------------------------------------------------------------------------
+# listing and loading
+
+
+def _steps_and_paths(directory):
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        match = _NAME_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    found.sort(reverse=True)
+    return found
+
+
+def list_checkpoints(directory):
+    """Return the paths of ``ckpt-*.npz`` in ``directory``, newest step first.
+
+    Only names are looked at; use :func:`read_checkpoint` to verify one.
+    A missing directory has no checkpoints.
+    """
+    return [path for _, path in _steps_and_paths(os.fspath(directory))]
+
+
+def _one_line(exc):
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _read_members(path):
+    """Read every member of an npz; return (arrays in file order, meta bytes)."""
+    arrays, meta_bytes = {}, None
+    with np.load(path, allow_pickle=False) as npz:
+        for key in npz.files:
+            value = npz[key]
+            if not isinstance(value, np.ndarray):
+                raise _Damaged(f"unexpected member {key!r} (not a .npy array)")
+            if key == META_KEY:
+                meta_bytes = value.tobytes()
+            else:
+                arrays[key] = value
+    return arrays, meta_bytes
+
+
+class _Damaged(Exception):
+    pass
+
+
+def read_checkpoint(path):
+    """Read one checkpoint file and verify its checksum.
+
+    Args:
+        path: a ``.npz`` written by :func:`save_checkpoint`.
+
+    Returns:
+        ``(arrays, metadata)``: the flat dict name -> NumPy array in the order
+        saved, and the metadata dict (the trainer's keys plus ``format``,
+        ``format_version``, ``step`` and ``sha256``).
+
+    Raises:
+        CheckpointError: one line naming the file and what is wrong with it
+            (missing, empty, truncated, not a ringtrain checkpoint, pickled
+            members, checksum mismatch, ...).
+    """
+    path = os.fspath(path)
+
+    def fail(problem):
+        return CheckpointError(f"checkpoint {path}: {problem}")
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise fail("no such file") from None
+    except IsADirectoryError:
+        raise fail("is a directory, not a checkpoint file") from None
+    except OSError as exc:
+        raise fail(f"cannot read it: {exc.strerror or _one_line(exc)}") from None
+    if size == 0:
+        raise fail("empty file (0 bytes); the save that wrote it did not finish")
+    if magic != b"PK\x03\x04":
+        raise fail("not a ringtrain checkpoint (not an npz/zip file)")
+
+    try:
+        arrays, meta_bytes = _read_members(path)
+    except _Damaged as exc:
+        raise fail(f"not a ringtrain checkpoint: {exc}") from None
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise fail("holds pickled objects, which are never loaded") from None
+        raise fail(f"damaged or truncated ({_one_line(exc)})") from None
+    except MemoryError:
+        raise fail("damaged (a header asks for more memory than there is)") from None
+    except Exception as exc:  # zipfile, zlib and .npy parsing raise many kinds
+        raise fail(f"damaged or truncated ({type(exc).__name__}: {_one_line(exc)})") from None
+
+    if meta_bytes is None:
+        raise fail(f"not a ringtrain checkpoint (no {META_KEY} member)")
+    try:
+        meta = json.loads(meta_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise fail("damaged metadata (not valid UTF-8 JSON)") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise fail(f"not a ringtrain checkpoint ({META_KEY} has no format {FORMAT!r})")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise fail("damaged metadata (format_version is not an integer)")
+    if version > FORMAT_VERSION:
+        raise fail(
+            f"written in format version {version}; this ringtrain reads up to "
+            f"{FORMAT_VERSION}, so upgrade ringtrain"
+        )
+    stored = meta.pop("sha256", None)
+    if not isinstance(stored, str):
+        raise fail("damaged metadata (no sha256 checksum)")
+    actual = _checksum(arrays, meta)
+    if actual != stored:
+        raise fail(
+            f"checksum mismatch (stored sha256 {stored[:12]}..., "
+            f"contents hash to {actual[:12]}...); the file is damaged"
+        )
+    match = _NAME_RE.match(os.path.basename(path))
+    if match and int(match.group(1)) != meta.get("step"):
+        raise fail(f"holds step {meta.get('step')!r}, which does not match its file name")
+    meta["sha256"] = stored
+    return arrays, meta
+
+
+def _warn_default(message):
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def latest_valid_checkpoint(directory, warn=None):
+    """Find the newest checkpoint in ``directory`` that verifies.
+
+    Walks the checkpoints newest first; each damaged one is reported through
+    ``warn`` (one line) and skipped, falling back to an older one. Stale
+    temporary files from an interrupted save are reported too (and left for
+    the next save to delete).
+
+    Args:
+        directory: a checkpoints directory.
+        warn: called with one line per problem; default
+            :func:`warnings.warn` with :class:`CheckpointWarning`.
+
+    Returns:
+        ``(path, arrays, metadata)``, or ``None`` when no checkpoint verifies.
+    """
+    warn = warn or _warn_default
+    directory = os.fspath(directory)
+    for temp in _stale_temporaries(directory):
+        warn(f"ignoring {temp}: a temporary file left by an interrupted save")
+    paths = list_checkpoints(directory)
+    for index, path in enumerate(paths):
+        try:
+            arrays, meta = read_checkpoint(path)
+        except CheckpointError as exc:
+            rest = "falling back to an older checkpoint" if index + 1 < len(paths) else (
+                "no older checkpoint to fall back to"
+            )
+            warn(f"skipping damaged {exc}; {rest}")
+            continue
+        return path, arrays, meta
+    return None
+
+
+def load_checkpoint(path_or_run_dir, warn=None):
+    """Load parameters and metadata from a checkpoint, a run or its checkpoints.
+
+    Args:
+        path_or_run_dir: a checkpoint file; a checkpoints directory; or a run
+            directory holding ``checkpoints/``. A directory gives its newest
+            checkpoint that verifies (damaged ones are skipped with a
+            warning).
+        warn: as for :func:`latest_valid_checkpoint`.
+
+    Returns:
+        ``(params, metadata)``: dict name -> NumPy array (the ``params/``
+        entries, prefix removed, in the model's order) and the metadata dict.
+
+    Raises:
+        CheckpointError: the file is damaged, or the directory holds no
+            checkpoint that verifies.
+    """
+    path = os.fspath(path_or_run_dir)
+    if os.path.isdir(path):
+        directory = path
+        if os.path.isdir(os.path.join(path, _CHECKPOINT_DIR)):
+            directory = os.path.join(path, _CHECKPOINT_DIR)
+        found = latest_valid_checkpoint(directory, warn=warn)
+        if found is None:
+            count = len(list_checkpoints(directory))
+            why = f"all {count} are damaged" if count else "there are none"
+            raise CheckpointError(f"no valid checkpoint in {directory} ({why})")
+        _, arrays, meta = found
+    elif os.path.exists(path):
+        arrays, meta = read_checkpoint(path)
+    else:
+        raise CheckpointError(f"no such checkpoint file or run directory: {path}")
+    prefix = "params/"
+    params = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+    return params, meta
