@@ -5,6 +5,7 @@ The public API; see README.md for the commands.
 
 __version__ = "0.1.0"
 
+from .checkpoint import CheckpointError, load_checkpoint
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
 from .topology import TaskSpec
@@ -16,4 +17,6 @@ __all__ = [
     "MismatchError",
     "abort_on_error",
     "agree",
+    "CheckpointError",
+    "load_checkpoint",
 ]
