@@ -1,0 +1,237 @@
+"""The training configuration: one dataclass, three sources, checked before any collective.
+
+Precedence is the usual one: defaults < ``--config FILE`` (TOML or YAML) <
+command-line flags. Every value is validated here, on every rank, before the
+first collective, so a bad value is one line and exit status 2 everywhere,
+and nothing (not even the run directory) is written.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+
+from .errors import UsageError
+
+__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "fingerprint"]
+
+
+def _f(default, help, **kw):
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``ringtrain train`` needs; the fields are the flags and the config file's keys."""
+
+    dataset: str = _f("digits", "digits, mnist5k, synthetic, PATH.npz, or a directory with x.npy and y.npy")
+    model: str = _f("mlp", "mlp or softmax")
+    hidden: tuple = _f((128,), "hidden layer sizes of the mlp, comma-separated", parse="ints")
+    epochs: int = _f(20, "passes over the training set")
+    batch_size: int = _f(32, "samples per step on each rank (global batch = this x ranks)")
+    lr: float = _f(0.05, "base learning rate")
+    optimizer: str = _f("sgd", "sgd (with momentum) or adam", choices=("sgd", "adam"))
+    momentum: float = _f(0.9, "SGD momentum (0 for plain SGD)")
+    weight_decay: float = _f(0.0, "L2 weight decay (decoupled for adam)")
+    warmup_steps: int = _f(0, "linear learning-rate warmup over this many steps")
+    scale_lr: bool = _f(False, "multiply the learning rate by the number of ranks (Goyal et al.)")
+    seed: int = _f(0, "seed for initial weights, shuffles and synthetic data")
+    device: str = _f("cpu", "cpu (NumPy) or gpu (CuPy; rank uses GPU local_rank %% count)", choices=("cpu", "gpu"))
+    drop_last: bool = _f(False, "cut every rank to the shortest shard instead of padding short shards")
+    test_fraction: float = _f(0.2, "held-out fraction when a dataset has no test split")
+    samples: int = _f(10000, "synthetic: number of samples")
+    features: int = _f(32, "synthetic: number of features")
+    classes: int = _f(10, "synthetic: number of classes")
+    run_dir: str = _f(None, "where config, metrics and checkpoints go (default runs/<timestamp>)")
+    checkpoint_every: int = _f(0, "also checkpoint every this many steps (0: only at each epoch's end)")
+    keep: int = _f(3, "checkpoints to keep")
+    resume: str = _f("auto", "auto (newest valid checkpoint in the run directory), none, or a checkpoint PATH")
+    max_time: float = _f(None, "stop after this many seconds, with a final checkpoint", kind="float")
+    eval_every: int = _f(1, "evaluate on the test set every this many epochs (0: only at the end)")
+    log_every: int = _f(50, "record a train event every this many steps")
+    max_steps: int = _f(None, "stop after this many steps in all (for tests and smoke runs)", kind="int")
+    timeout: float = _f(300.0, "abort if a collective takes longer than this many seconds")
+    nonfinite: str = _f("skip", "on NaN/Inf gradients: skip the step, or abort", choices=("skip", "abort"))
+    max_nonfinite: int = _f(5, "with skip: abort after this many non-finite steps in a row")
+    bucket_mb: float = _f(4.0, "gradient fusion bucket size in MiB")
+    overlap: bool = _f(True, "reduce gradient buckets while backward is still running")
+    fp16_allreduce: bool = _f(False, "send gradients as float16 on the wire (halves traffic)")
+    timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
+    progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal")
+
+
+# The settings that every rank must share; a difference is an error on every rank.
+MUST_MATCH = ("dataset", "model", "hidden", "epochs", "batch_size", "lr", "optimizer", "momentum",
+              "weight_decay", "warmup_steps", "scale_lr", "seed", "drop_last", "test_fraction", "samples",
+              "features", "classes", "checkpoint_every", "max_steps", "nonfinite", "bucket_mb", "overlap",
+              "fp16_allreduce", "device", "resume", "eval_every", "log_every")
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _type_name(field):
+    if field.metadata.get("parse") == "ints":
+        return "ints"
+    if "kind" in field.metadata:  # fields whose default (None) does not show their type
+        return field.metadata["kind"]
+    default = field.default
+    return {bool: "bool", int: "int", float: "float"}.get(type(default), "str")
+
+
+def parse_ints(text, name="hidden"):
+    """``"128,64"`` -> ``(128, 64)``; ``""`` -> ``()``."""
+    if isinstance(text, (list, tuple)):
+        items = list(text)
+    else:
+        items = [t for t in str(text).replace(" ", "").split(",") if t]
+    try:
+        return tuple(int(t) for t in items)
+    except (TypeError, ValueError):
+        raise UsageError(f"--{name.replace('_', '-')}: expected comma-separated integers like 128,64, got {text!r}",
+                         everywhere=True) from None
+
+
+def coerce(name, value, source):
+    """Convert a value from a config file to the field's type, or raise a one-line UsageError."""
+    if name not in FIELDS:
+        close = [n for n in FIELDS if n.replace("_", "") == name.replace("-", "").replace("_", "")]
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UsageError(f"{source}: unknown setting {name!r}{hint}", everywhere=True)
+    field = FIELDS[name]
+    kind = _type_name(field)
+    if value is None:
+        return None
+    bad = UsageError(f"{source}: setting {name!r} must be {kind}, got {value!r}", everywhere=True)
+    if kind == "ints":
+        return parse_ints(value, name)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if not isinstance(value, str):
+        raise bad
+    return value
+
+
+def load_config_file(path):
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into a dict of settings.
+
+    Keys may be written with dashes or underscores. Raises a one-line UsageError
+    for a missing, unreadable or malformed file.
+    """
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".toml", ".yaml", ".yml"):
+        raise UsageError(f"--config {path}: expected a .toml, .yaml or .yml file", everywhere=True)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file", everywhere=True) from None
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})", everywhere=True) from None
+    try:
+        if ext == ".toml":
+            import tomllib
+
+            data = tomllib.loads(raw.decode("utf-8"))
+        else:
+            try:
+                import yaml
+            except ImportError:
+                raise UsageError(f"--config {path}: YAML needs PyYAML; pip install pyyaml, or use TOML",
+                                 everywhere=True) from None
+            data = yaml.safe_load(raw.decode("utf-8"))
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every parser error becomes one line
+        detail = " ".join(str(exc).split())
+        raise UsageError(f"--config {path}: not valid {ext.lstrip('.').upper()}: {detail}", everywhere=True) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a table of settings, got {type(data).__name__}",
+                         everywhere=True)
+    if "train" in data and isinstance(data["train"], dict) and len(data) == 1:
+        data = data["train"]  # allow a [train] table
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        out[name] = coerce(name, value, f"--config {path}")
+    return out
+
+
+def resolve(flags, file_settings=None):
+    """Merge defaults < file < flags (flags given as a dict of explicitly set values)."""
+    values = {}
+    values.update(file_settings or {})
+    values.update({k: v for k, v in flags.items() if v is not None})
+    values = {k: v for k, v in values.items() if k in FIELDS}
+    return TrainConfig(**values)
+
+
+def validate(cfg):
+    """Raise a one-line UsageError (on every rank) for the first bad value in ``cfg``."""
+
+    def bad(flag, problem):
+        raise UsageError(f"--{flag.replace('_', '-')}: {problem}", everywhere=True)
+
+    def positive(name, allow_zero=False):
+        value = getattr(cfg, name)
+        if value is None:
+            return
+        if isinstance(value, float) and not math.isfinite(value):
+            bad(name, f"must be a finite number, got {value}")
+        if value < 0 or (value == 0 and not allow_zero):
+            bad(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+    for name in ("epochs", "batch_size", "keep", "log_every", "samples", "features", "timeout", "bucket_mb"):
+        positive(name)
+    for name in ("lr",):
+        positive(name)
+    for name in ("weight_decay", "warmup_steps", "checkpoint_every", "eval_every", "max_nonfinite", "momentum"):
+        positive(name, allow_zero=True)
+    if cfg.max_time is not None:
+        positive("max_time")
+    if cfg.max_steps is not None:
+        positive("max_steps")
+    if cfg.classes < 2:
+        bad("classes", f"must be at least 2, got {cfg.classes}")
+    if cfg.momentum >= 1:
+        bad("momentum", f"must be in [0, 1), got {cfg.momentum}")
+    if not 0 < cfg.test_fraction < 1:
+        bad("test_fraction", f"must be between 0 and 1, got {cfg.test_fraction}")
+    if cfg.model not in ("mlp", "softmax"):
+        bad("model", f"unknown model {cfg.model!r}; choose one of mlp, softmax")
+    if cfg.model == "mlp" and not cfg.hidden:
+        bad("hidden", "the mlp needs at least one hidden layer, e.g. --hidden 128")
+    if any(h <= 0 for h in cfg.hidden):
+        bad("hidden", f"layer sizes must be > 0, got {','.join(map(str, cfg.hidden))}")
+    for name in ("optimizer", "device", "nonfinite"):
+        choices = FIELDS[name].metadata["choices"]
+        if getattr(cfg, name) not in choices:
+            bad(name, f"unknown value {getattr(cfg, name)!r}; choose one of {', '.join(choices)}")
+    if cfg.resume not in ("auto", "none") and not os.path.exists(cfg.resume):
+        bad("resume", f"no checkpoint at {cfg.resume!r}; give a checkpoint file, a run directory, auto or none")
+    if cfg.run_dir is not None and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+        bad("run_dir", f"{cfg.run_dir!r} exists and is not a directory")
+    return cfg
+
+
+def fingerprint(cfg, names=MUST_MATCH):
+    """A short digest of the settings every rank must share (compared across ranks at start-up)."""
+    subset = {n: getattr(cfg, n) for n in names}
+    return hashlib.sha256(json.dumps(subset, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+
+def to_json(cfg):
+    """The resolved configuration as a JSON-able dict (tuples as lists)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}

@@ -1,0 +1,99 @@
+"""A watchdog that turns a stalled collective into a loud, quick abort.
+
+A rank that stops answering (a deadlock, a stuck file system, a peer that
+sleeps) leaves its peers blocked inside MPI, where no Python exception can
+reach them. The watchdog is a daemon thread: before a collective the trainer
+arms it with what it is doing and whom it waits on; if the collective is
+still running after ``timeout`` seconds, the thread prints one line naming
+the operation, the step and the awaited rank, and calls ``MPI_Abort``, which
+ends every rank. (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE`` by
+default, so calling Abort from this thread is allowed.)
+"""
+
+import sys
+import threading
+import time
+
+__all__ = ["Watchdog", "left_neighbour"]
+
+
+def left_neighbour(rank, size):
+    """The rank that ``rank`` receives from in a ring: in a stall, the one it waits on."""
+    return (rank - 1) % size
+
+
+class Watchdog:
+    """Abort the job when an armed operation outlives its deadline.
+
+    Use as ``with dog.watch("allreduce", step=12, waiting_on=3): ...``.
+    ``timeout=None`` or a single-rank job makes it a no-op.
+    """
+
+    def __init__(self, comm, timeout, stream=None, clock=time.monotonic, abort=None):
+        self._comm = comm
+        self._timeout = timeout
+        self._stream = stream or sys.stderr
+        self._clock = clock
+        self._abort = abort or (lambda: comm.Abort(1))
+        self._lock = threading.Lock()
+        self._armed = None  # (deadline, operation, step, waiting_on)
+        self._stop = threading.Event()
+        self._thread = None
+        if timeout is not None and comm.Get_size() > 1:
+            self._thread = threading.Thread(target=self._run, name="ringtrain-watchdog", daemon=True)
+            self._thread.start()
+
+    def watch(self, operation, step=None, waiting_on=None):
+        """Context manager arming the watchdog for one operation."""
+        return _Armed(self, operation, step, waiting_on)
+
+    def arm(self, operation, step=None, waiting_on=None):
+        if self._thread is None:
+            return
+        with self._lock:
+            self._armed = (self._clock() + self._timeout, operation, step, waiting_on)
+
+    def disarm(self):
+        if self._thread is None:
+            return
+        with self._lock:
+            self._armed = None
+
+    def close(self):
+        """Stop the thread (it is a daemon, so a forgotten close never blocks exit)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def message(self, operation, step, waiting_on):
+        rank = self._comm.Get_rank()
+        at = f" at step {step}" if step is not None else ""
+        on = f"; waiting on rank {waiting_on}" if waiting_on is not None else ""
+        return (f"rank {rank}: {operation}{at} did not finish within {self._timeout:g}s{on} "
+                f"(raise --timeout if this is expected)")
+
+    def _run(self):
+        # Poll a few times per timeout: cheap, and precise enough for a deadline
+        # meant in seconds or minutes.
+        interval = min(1.0, max(0.05, self._timeout / 20))
+        while not self._stop.wait(interval):
+            with self._lock:
+                armed = self._armed
+            if armed is not None and self._clock() > armed[0]:
+                self._stream.write(self.message(*armed[1:]) + "\n")
+                self._stream.flush()
+                self._abort()
+                return
+
+
+class _Armed:
+    def __init__(self, dog, operation, step, waiting_on):
+        self._dog, self._args = dog, (operation, step, waiting_on)
+
+    def __enter__(self):
+        self._dog.arm(*self._args)
+        return self
+
+    def __exit__(self, *exc):
+        self._dog.disarm()
+        return False
