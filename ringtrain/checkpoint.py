@@ -217,7 +217,8 @@ def save_checkpoint(directory, step, arrays, metadata=None, keep=3):
         directory: where checkpoints live (created if missing).
         step: the global step; names the file ``ckpt-<step, 8 digits>.npz``.
         arrays: flat dict name -> NumPy array, e.g. ``"params/fc1.weight"``,
-            ``"optim/momentum/fc1.weight"``. Plain dtypes only.
+            ``"optim/momentum/fc1.weight"``. NumPy arrays (copy GPU arrays
+            to the host first) of plain dtypes only.
         metadata: JSON-able dict (epoch, configuration, RNG and data
             position, ...). The keys ``format``, ``format_version`` and
             ``sha256`` are reserved; ``step`` is filled in from ``step``.
@@ -348,6 +349,10 @@ def _one_line(exc):
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+class _Damaged(Exception):
+    """A member that save_checkpoint would never write."""
+
+
 def _read_members(path):
     """Read every member of an npz; return (arrays in file order, meta bytes)."""
     arrays, meta_bytes = {}, None
@@ -361,10 +366,6 @@ def _read_members(path):
             else:
                 arrays[key] = value
     return arrays, meta_bytes
-
-
-class _Damaged(Exception):
-    pass
 
 
 def read_checkpoint(path):
