@@ -1,0 +1,308 @@
+"""Models with an explicit backward pass, written once for NumPy and CuPy.
+
+The trainer needs three things from a model, and nothing else (micrograd's
+spirit: a protocol you can hold in your head):
+
+``params``
+    An ordered dict ``name -> array``. The names are stable ("fc1.weight",
+    "fc1.bias", ...) because checkpoints and the cross-rank agreement check
+    use them; the arrays are updated in place by the optimiser.
+``loss_and_grad(x, y, on_grad=None) -> (loss, grads, correct)``
+    The mean softmax cross-entropy of the batch as a Python float, the
+    gradients (a dict with the keys, shapes and dtypes of ``params``) and the
+    number of rows whose argmax is the label. ``on_grad(name, grad)``, if
+    given, is called as each gradient becomes final, last layer first, so the
+    trainer can start averaging them while backward continues.
+``evaluate(x, y, batch_size=...) -> (loss_sum, correct)``
+    Sums, not means, over the given rows: the trainer adds them across ranks.
+
+Subclass :class:`Model` (which derives ``evaluate`` from ``logits``) or write
+any object with those three members. Arrays are whatever module the
+parameters live in (``xp``, CuPy's idiom); this module never imports CuPy.
+
+Example::
+
+    model = build_model("mlp", 64, 10, hidden=(128,), seed=0)
+    loss, grads, correct = model.loss_and_grad(x_batch, y_batch)
+"""
+
+import operator
+
+import numpy as np
+
+from . import backend
+
+__all__ = [
+    "Model",
+    "MLP",
+    "MODELS",
+    "build_model",
+    "register_model",
+    "softmax_cross_entropy",
+]
+
+
+class Model:
+    """The small protocol the trainer codes against (subclass it, or duck-type it).
+
+    A subclass sets ``self.params`` and implements :meth:`loss_and_grad` and
+    :meth:`logits`; :meth:`evaluate` then comes for free.
+    """
+
+    params = None  # dict[str, array], ordered; updated in place by the optimiser
+
+    def loss_and_grad(self, x, y, on_grad=None):
+        """Return ``(mean loss: float, grads: dict like params, correct: int)`` for a batch.
+
+        Call ``on_grad(name, grad)`` for each gradient once it is final, in
+        the reverse order of ``params`` (the trainer overlaps communication
+        with the rest of backward). ``on_grad`` may reduce ``grad`` in place.
+        """
+        raise NotImplementedError
+
+    def logits(self, x):
+        """Return the unnormalised class scores, shape ``(rows, num_classes)``."""
+        raise NotImplementedError
+
+    def evaluate(self, x, y, batch_size=1024):
+        """Return ``(loss_sum: float, correct: int)`` summed over the rows of ``x``.
+
+        Sums rather than means so that the trainer can add them across ranks
+        whose shards differ in size and divide once by the global count.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        loss_sum, correct = 0.0, 0
+        for start in range(0, len(x), batch_size):
+            stop = start + batch_size
+            chunk_loss, chunk_correct, _ = softmax_cross_entropy(self.logits(x[start:stop]), y[start:stop])
+            loss_sum += chunk_loss
+            correct += chunk_correct
+        return loss_sum, correct
+
+
+def softmax_cross_entropy(logits, y, grad_scale=None):
+    """Return ``(loss_sum: float, correct: int, dlogits)`` for a batch of logits.
+
+    The loss is computed as ``logsumexp(z) - z[y]`` with the row maximum
+    subtracted first, so large logits cannot overflow ``exp``. With
+    ``grad_scale`` given, ``logits`` is OVERWRITTEN with
+    ``grad_scale * (softmax(z) - onehot(y))`` (pass ``1 / rows`` for the
+    gradient of the mean) and returned as ``dlogits``; otherwise ``logits``
+    is left alone and ``dlogits`` is None.
+    """
+    xp = backend.get_array_module(logits)
+    rows = xp.arange(logits.shape[0])
+    z = logits if grad_scale is not None else logits.copy()
+    loss_sum, correct = _xent(xp, z, xp.asarray(y), rows, grad_scale)
+    return float(loss_sum), int(correct), (z if grad_scale is not None else None)
+
+
+def _xent(xp, z, y, rows, grad_scale):
+    # Works in place on z and returns device scalars: on a GPU, turning them
+    # into Python numbers would wait for the kernels, so callers do it last.
+    correct = xp.count_nonzero(xp.argmax(z, axis=1) == y)
+    z -= z.max(axis=1, keepdims=True)
+    picked = z[rows, y]
+    xp.exp(z, out=z)
+    sumexp = z.sum(axis=1, keepdims=True)
+    # float64 accumulation keeps the batch sum from drifting with batch size.
+    loss_sum = (xp.log(sumexp[:, 0]) - picked).sum(dtype=np.float64)
+    if grad_scale is not None:
+        z /= sumexp
+        z[rows, y] -= 1.0
+        z *= grad_scale
+    return loss_sum, correct
+
+
+class MLP(Model):
+    """Fully connected layers with ReLU between them and softmax cross-entropy on top.
+
+    With no hidden layers this is multinomial logistic regression (the
+    "softmax" model). Layer ``i`` (from 1) has ``fc{i}.weight`` of shape
+    ``(fan_in, fan_out)`` (so a layer is ``x @ W + b``) and ``fc{i}.bias``.
+
+    Buffers: the gradients returned by :meth:`loss_and_grad` are the SAME
+    array objects on every call, overwritten each time (the trainer reduces
+    them in place; copy them to keep them). They are views into one flat
+    array, :attr:`grad_buffer`, laid out in the order ``on_grad`` delivers
+    them, so a run of consecutive gradients is one contiguous slice.
+    Activations are kept per batch size and reused across steps.
+    """
+
+    def __init__(self, sizes, xp=np, seed=0, dtype=np.float32):
+        self.sizes = tuple(sizes)
+        self.dtype = np.dtype(dtype)
+        self.xp = xp
+        rng = np.random.default_rng(seed)
+        host = {}
+        last = len(self.sizes) - 2
+        for i, (fan_in, fan_out) in enumerate(zip(self.sizes, self.sizes[1:])):
+            # He init for layers feeding a ReLU; LeCun (std 1/sqrt(fan_in)) for the logits.
+            std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
+            host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
+            host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
+        # Drawn on the host in float64, then cast and moved, so CPU and GPU runs start identical.
+        self.params = {name: xp.asarray(a.astype(self.dtype)) for name, a in host.items()}
+        self.grad_buffer = xp.zeros(sum(a.size for a in host.values()), dtype=self.dtype)
+        self.grads = {}
+        offset = 0
+        for name in reversed(self.params):
+            shape = self.params[name].shape
+            size = int(np.prod(shape))
+            self.grads[name] = self.grad_buffer[offset:offset + size].reshape(shape)
+            offset += size
+        self.grads = {name: self.grads[name] for name in self.params}  # params' order
+        self._buffers = {}
+
+    def __repr__(self):
+        return f"MLP(sizes={self.sizes}, dtype={self.dtype.name}, xp={self.xp.__name__})"
+
+    def _layers(self):
+        return [(self.params[f"fc{i}.weight"], self.params[f"fc{i}.bias"]) for i in range(1, len(self.sizes))]
+
+    def _buffers_for(self, n):
+        # Activations for one batch size; the last batch of an epoch may differ,
+        # so keep a few sizes rather than reallocating every step.
+        bufs = self._buffers.get(n)
+        if bufs is None:
+            if len(self._buffers) >= 4:
+                self._buffers.clear()
+            xp, dt = self.xp, self.dtype
+            acts = [xp.empty((n, width), dtype=dt) for width in self.sizes[1:]]
+            deltas = [xp.empty((n, width), dtype=dt) for width in self.sizes[1:-1]]
+            bufs = self._buffers[n] = (acts, deltas, xp.arange(n))
+        return bufs
+
+    def _check(self, x, y=None):
+        xp = self.xp
+        x = xp.asarray(x, dtype=self.dtype)
+        if x.ndim != 2 or x.shape[1] != self.sizes[0]:
+            raise ValueError(f"x must have shape (rows, {self.sizes[0]}), got {tuple(x.shape)}")
+        if y is None:
+            return x
+        y = xp.asarray(y)
+        if y.shape != (x.shape[0],):
+            raise ValueError(f"y must have shape ({x.shape[0]},) to match x, got {tuple(y.shape)}")
+        if y.dtype.kind not in "iu":
+            raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
+        return x, y
+
+    def _forward(self, x, acts):
+        h = x
+        layers = self._layers()
+        for i, (w, b) in enumerate(layers):
+            z = acts[i]
+            self.xp.matmul(h, w, out=z)
+            z += b
+            if i < len(layers) - 1:
+                self.xp.maximum(z, 0, out=z)  # ReLU in place; z > 0 is also its derivative mask
+            h = z
+        return h
+
+    def logits(self, x):
+        """Return the logits for ``x`` as a new array (safe to keep)."""
+        x = self._check(x)
+        acts = [self.xp.empty((x.shape[0], width), dtype=self.dtype) for width in self.sizes[1:]]
+        return self._forward(x, acts)
+
+    def evaluate(self, x, y, batch_size=1024):
+        """Return ``(loss_sum: float, correct: int)`` summed over the rows of ``x``."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        x, y = self._check(x, y)
+        loss_sum, correct = 0.0, 0
+        for start in range(0, x.shape[0], batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            acts, _, rows = self._buffers_for(xb.shape[0])
+            chunk_loss, chunk_correct = _xent(self.xp, self._forward(xb, acts), yb, rows, None)
+            loss_sum, correct = loss_sum + chunk_loss, correct + chunk_correct
+        return float(loss_sum), int(correct)
+
+    def loss_and_grad(self, x, y, on_grad=None):
+        """Return ``(loss, grads, correct)`` for one batch; see the module docstring.
+
+        ``grads`` holds this model's reused buffers (see the class docstring).
+        With CuPy, ``on_grad`` receives ``grad`` while its kernel may still be
+        queued: synchronise (``backend.synchronize``) before giving it to MPI.
+        """
+        xp = self.xp
+        x, y = self._check(x, y)
+        n = x.shape[0]
+        if n == 0:
+            raise ValueError("cannot take the loss of an empty batch (0 rows)")
+        acts, deltas, rows = self._buffers_for(n)
+        logits = self._forward(x, acts)
+        loss_sum, correct = _xent(xp, logits, y, rows, grad_scale=1.0 / n)
+        g = logits  # now d(mean loss)/d(logits)
+        layers = self._layers()
+        for i in range(len(layers) - 1, -1, -1):
+            w = layers[i][0]
+            h = acts[i - 1] if i > 0 else x
+            gw, gb = self.grads[f"fc{i + 1}.weight"], self.grads[f"fc{i + 1}.bias"]
+            xp.sum(g, axis=0, out=gb)
+            xp.matmul(h.T, g, out=gw)
+            if on_grad is not None:
+                on_grad(f"fc{i + 1}.bias", gb)
+                on_grad(f"fc{i + 1}.weight", gw)
+            if i > 0:  # the input layer needs no gradient with respect to x
+                d = deltas[i - 1]
+                xp.matmul(g, w.T, out=d)
+                d *= h > 0
+                g = d
+        return float(loss_sum) / n, self.grads, int(correct)
+
+
+def _size(what, value, minimum):
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{what} must be at least {minimum}, got {value}")
+    return value
+
+
+def _mlp(num_features, num_classes, hidden, xp, seed, dtype):
+    hidden = tuple(_size("hidden layer size", h, 1) for h in hidden)
+    return MLP((num_features, *hidden, num_classes), xp=xp, seed=seed, dtype=dtype)
+
+
+def _softmax(num_features, num_classes, hidden, xp, seed, dtype):
+    if tuple(hidden):
+        raise ValueError(f"model 'softmax' has no hidden layers, got hidden={tuple(hidden)}; use model 'mlp'")
+    return MLP((num_features, num_classes), xp=xp, seed=seed, dtype=dtype)
+
+
+# name -> builder(num_features, num_classes, hidden, xp, seed, dtype) returning a Model.
+MODELS = {"mlp": _mlp, "softmax": _softmax}
+
+
+def register_model(name, builder):
+    """Make ``build_model(name, ...)`` call ``builder(num_features, num_classes, hidden, xp, seed, dtype)``."""
+    if name in MODELS:
+        raise ValueError(f"model {name!r} is already registered")
+    MODELS[name] = builder
+
+
+def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype=np.float32):
+    """Build a registered model with parameters drawn from ``numpy.random.default_rng(seed)``.
+
+    Every rank that builds with the same arguments gets bitwise the same
+    parameters, on the CPU or the GPU.
+
+    Raises:
+        ValueError: for an unknown name, a bad size or an unsupported dtype.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
+    num_features = _size("num_features", num_features, 1)
+    num_classes = _size("num_classes", num_classes, 2)
+    if isinstance(hidden, (int, np.integer)):
+        hidden = (hidden,)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype.name}")
+    return MODELS[name](num_features, num_classes, tuple(hidden), xp, seed, dtype)
