@@ -8,6 +8,8 @@ __version__ = "0.1.0"
 from .checkpoint import CheckpointError, load_checkpoint
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
+from .models import Model, build_model, register_model
+from .optim import build_optimizer, learning_rate, scaled_lr
 from .topology import TaskSpec
 
 __all__ = [
@@ -19,4 +21,10 @@ __all__ = [
     "agree",
     "CheckpointError",
     "load_checkpoint",
+    "Model",
+    "build_model",
+    "register_model",
+    "build_optimizer",
+    "learning_rate",
+    "scaled_lr",
 ]
