@@ -1,0 +1,63 @@
+"""A real multi-host job: two hosts made as network namespaces, launched from a hostfile.
+
+See tests/netns.py for how the hosts are made. Skipped, with the reason,
+where namespaces cannot be made (not root, no iproute2).
+"""
+
+import json
+import os
+import sys
+
+from mpirun import ROOT, ringtrain, show
+from netns import cluster  # noqa: F401  (the module-scope fixture)
+
+PROGRAM = os.path.join(ROOT, "tests", "cli", "programs", "allreduce_across_hosts.py")
+
+
+def test_info_reports_two_nodes_with_their_host_names(cluster, tmp_path):  # noqa: F811
+    # A hostfile in Open MPI syntax, comments included: the launcher rewrites
+    # it for MPICH's Hydra.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two hosts on the test bridge\nh1 slots=2\n\nh2 slots=2 max_slots=2  # second\n")
+    launcher = [sys.executable, "-m", "ringtrain", "launch", "-np", "4", "--hostfile", str(hostfile), "--"]
+    result = cluster.run(4, ringtrain("info", "--json"), timeout=90, launcher=launcher)
+    assert result.returncode == 0, show(result)
+    info = json.loads(result.stdout)
+    assert info["size"] == 4 and info["num_nodes"] == 2, show(result)
+    assert [r["hostname"] for r in info["ranks"]] == ["h1", "h1", "h2", "h2"]
+    assert [r["node_rank"] for r in info["ranks"]] == [0, 0, 1, 1]
+    assert [r["local_rank"] for r in info["ranks"]] == [0, 1, 0, 1]
+    assert "-f " in result.stderr and "ringtrain launch: " in result.stderr, show(result)
+
+
+def test_allreduce_across_hosts_is_correct_and_crosses_the_network(cluster):  # noqa: F811
+    n = 1 << 18  # 2 MiB of float64 per rank
+    before = {h: cluster.iface_bytes(h) for h in cluster.names}
+    result = cluster.run(4, [sys.executable, PROGRAM, str(n)], timeout=90)
+    after = {h: cluster.iface_bytes(h) for h in cluster.names}
+    assert result.returncode == 0, show(result)
+    report = json.loads(result.stdout)
+    assert [r["host"] for r in report["ranks"]] == ["h1", "h1", "h2", "h2"]
+    for r in report["ranks"]:
+        assert r["error"] <= 1e-12 * max(1.0, report["scale"]), r
+    # Each host must have received at least one rank's share of the data over
+    # its veth link: the job did not go through shared memory.
+    for host in cluster.names:
+        received = after[host][0] - before[host][0]
+        assert received > n * 8, f"{host} received only {received} bytes over the virtual network"
+
+
+def test_per_rank_logs_come_from_each_host(cluster, tmp_path):  # noqa: F811
+    logs = tmp_path / "logs"
+    command = ["sh", "-c", 'echo "rank $PMI_RANK on $(hostname)"; exit 0']
+    launcher = [sys.executable, "-m", "ringtrain", "launch", "-np", "4", "-H", "h1:2,h2:2", "-o", str(logs), "--"]
+    result = cluster.run(4, command, timeout=90, launcher=launcher)
+    assert result.returncode == 0, show(result)
+    texts = [(logs / f"rank-{r}.log").read_text() for r in range(4)]
+    assert texts == [f"rank {r} on {'h1' if r < 2 else 'h2'}\n" for r in range(4)]
+
+
+def test_exit_status_of_a_remote_rank_reaches_the_launcher(cluster):  # noqa: F811
+    command = ["sh", "-c", 'if [ "$(hostname)" = h2 ]; then exit 3; fi']
+    result = cluster.run(4, command, timeout=90)
+    assert result.returncode == 3, show(result)
