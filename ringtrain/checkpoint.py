@@ -356,7 +356,10 @@ class _Damaged(Exception):
 def _read_members(path):
     """Read every member of an npz; return (arrays in file order, meta bytes)."""
     arrays, meta_bytes = {}, None
-    with np.load(path, allow_pickle=False) as npz:
+    # Open the file here rather than handing np.load a path: when the zip
+    # directory is damaged, np.load's NpzFile fails after taking ownership of
+    # the file it opened, and that file would leak.
+    with open(path, "rb") as f, np.load(f, allow_pickle=False) as npz:
         for key in npz.files:
             value = npz[key]
             if not isinstance(value, np.ndarray):

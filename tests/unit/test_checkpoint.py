@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -265,7 +266,7 @@ def read_error(path, *fragments):
 @pytest.mark.parametrize("fraction", [0.0001, 0.1, 0.35, 0.5, 0.8, 0.99])
 def test_truncated_file_is_detected(good, fraction):
     path, _ = good
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     with open(path, "wb") as f:
         f.write(data[: max(1, int(len(data) * fraction))])
     read_error(path)
@@ -273,20 +274,20 @@ def test_truncated_file_is_detected(good, fraction):
 
 def test_last_byte_missing_is_detected(good):
     path, _ = good
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[:-1])
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:-1])
     read_error(path, "damaged")
 
 
 def flip(path, offset, mask=0x01):
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[offset] ^= mask
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
 
 
 def test_flipped_byte_in_array_data_is_detected(good):
     path, arrays = good
-    offset = open(path, "rb").read().find(arrays["params/w"].tobytes())
+    offset = Path(path).read_bytes().find(arrays["params/w"].tobytes())
     assert offset > 0
     flip(path, offset + 100)
     read_error(path)
@@ -307,7 +308,7 @@ def test_flipped_byte_in_array_data_with_zip_crc_patched_is_caught_by_sha256(goo
 
 def test_flipped_byte_in_metadata_is_detected(good):
     path, _ = good
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     flip(path, data.find(b'"lr":0.25') + len('"lr":0.'))  # 0.25 -> 0.35
     read_error(path)
 
@@ -323,7 +324,7 @@ def test_edited_metadata_with_valid_json_fails_the_checksum(good):
 
 def test_zero_length_file(good):
     path, _ = good
-    open(path, "wb").close()
+    os.truncate(path, 0)
     read_error(path, "empty file")
 
 
@@ -387,7 +388,7 @@ def test_latest_valid_falls_back_to_the_newest_good_one_and_warns(ckdir):
         save_checkpoint(ckdir, step, {"params/w": np.full(3, step)}, {"epoch": step}, keep=None)
     paths = list_checkpoints(ckdir)
     flip(paths[0], os.path.getsize(paths[0]) // 2)  # step 40: flipped byte
-    open(paths[1], "r+b").truncate(100)  # step 30: half written
+    os.truncate(paths[1], 100)  # step 30: half written
     stale = ckdir / f".ckpt-00000050.npz.tmp-{dead_pid()}"
     stale.write_bytes(b"PK\x03\x04")
     warnings = []
@@ -403,7 +404,7 @@ def test_latest_valid_falls_back_to_the_newest_good_one_and_warns(ckdir):
 def test_latest_valid_is_none_when_nothing_verifies(ckdir):
     assert latest_valid_checkpoint(ckdir, warn=pytest.fail) is None
     save_checkpoint(ckdir, 1, {}, {})
-    open(list_checkpoints(ckdir)[0], "wb").close()
+    os.truncate(list_checkpoints(ckdir)[0], 0)
     warnings = []
     assert latest_valid_checkpoint(ckdir, warn=warnings.append) is None
     assert len(warnings) == 1 and "no older checkpoint" in warnings[0]
@@ -412,7 +413,7 @@ def test_latest_valid_is_none_when_nothing_verifies(ckdir):
 def test_latest_valid_warns_through_the_warnings_module_by_default(ckdir):
     save_checkpoint(ckdir, 1, {}, {})
     save_checkpoint(ckdir, 2, {}, {})
-    open(list_checkpoints(ckdir)[0], "wb").close()
+    os.truncate(list_checkpoints(ckdir)[0], 0)
     with pytest.warns(ck.CheckpointWarning, match="empty file"):
         assert latest_valid_checkpoint(ckdir)[2]["step"] == 1
 
@@ -444,7 +445,7 @@ def test_load_checkpoint_from_run_dir_checkpoints_dir_or_file(run_dir, where):
 
 def test_load_checkpoint_skips_a_damaged_newest(run_dir):
     newest = list_checkpoints(run_dir / "checkpoints")[0]
-    open(newest, "r+b").truncate(50)
+    os.truncate(newest, 50)
     warnings = []
     params, meta = load_checkpoint(run_dir, warn=warnings.append)
     assert meta["step"] == 10 and len(warnings) == 1
@@ -453,7 +454,7 @@ def test_load_checkpoint_skips_a_damaged_newest(run_dir):
 
 def test_load_checkpoint_with_nothing_valid_names_the_directory(run_dir, tmp_path):
     for path in list_checkpoints(run_dir / "checkpoints"):
-        open(path, "wb").close()
+        os.truncate(path, 0)
     with pytest.raises(CheckpointError) as excinfo:
         load_checkpoint(run_dir, warn=lambda line: None)
     assert_one_line_error(excinfo, str(run_dir / "checkpoints"), "all 2 are damaged")
@@ -475,8 +476,7 @@ def fuzz_case(tmp_path_factory):
               "params/b": np.arange(3, dtype=np.float16),
               "optim/t": np.array(9, dtype=np.int64)}
     path = save_checkpoint(directory, 7, arrays, {"epoch": 3, "config": {"lr": 0.125}})
-    with open(path, "rb") as f:
-        original = f.read()
+    original = Path(path).read_bytes()
     return directory, original, arrays, read_checkpoint(path)[1]
 
 
