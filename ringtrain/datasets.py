@@ -250,6 +250,8 @@ def _open(name, *, seed, test_fraction, num_classes, samples, features, classes,
         return _npy_dir(name, seed, test_fraction, num_classes)
     if os.path.exists(name) or name.endswith(".npz"):
         return _npz(name, seed, test_fraction, num_classes)
+    if os.sep in name or (os.altsep and os.altsep in name):
+        raise UsageError(f"{name}: no such file or directory (expected a .npz file or a directory of .npy files)")
     raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, "
                      f"or give a PATH.npz or a directory holding x.npy and y.npy")
 
