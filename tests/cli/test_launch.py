@@ -1,0 +1,71 @@
+"""``ringtrain launch`` as a user runs it: real mpirun on this host."""
+
+import sys
+
+from mpirun import ringtrain, run, show
+
+# One write per line: unbuffered print() writes its pieces separately, and
+# ranks sharing mpirun's stdout would interleave them.
+PRINT_RANK = ("import os; from ringtrain.rank_log import rank_from_env; r = rank_from_env(os.environ); "
+              "os.write(1, f'rank {r}\\n'.encode()); os.write(2, f'err {r}\\n'.encode())")
+
+
+def test_runs_the_command_on_every_rank_and_prints_the_mpi_command():
+    result = run(ringtrain("launch", "-np", "3", "--", sys.executable, "-c", PRINT_RANK), timeout=60)
+    assert result.returncode == 0, show(result)
+    assert sorted(result.stdout.split("\n")[:-1]) == ["rank 0", "rank 1", "rank 2"]
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("ringtrain launch: ") and " -np 3 " in first, show(result)
+
+
+def test_per_rank_logs(tmp_path):
+    logs = tmp_path / "logs"
+    result = run(ringtrain("launch", "-np", "3", "-o", str(logs), "--", sys.executable, "-c", PRINT_RANK), timeout=60)
+    assert result.returncode == 0, show(result)
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0.log", "rank-1.log", "rank-2.log"]
+    for r in range(3):
+        assert sorted((logs / f"rank-{r}.log").read_text().splitlines()) == [f"err {r}", f"rank {r}"]
+    assert "rank " not in result.stdout
+
+
+def test_the_jobs_exit_status_comes_back():
+    code = "import os, sys; from ringtrain.rank_log import rank_from_env; sys.exit(3 if rank_from_env(os.environ) == 1 else 0)"
+    result = run(ringtrain("launch", "-np", "3", "--", sys.executable, "-c", code), timeout=60)
+    assert result.returncode == 3, show(result)
+
+
+def test_a_hostfile_for_this_machine_in_either_syntax(tmp_path):
+    for text in ("# this machine\nlocalhost slots=2\n", "localhost:2  # this machine\n"):
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(text)
+        result = run(ringtrain("launch", "-np", "2", "--hostfile", str(hostfile), "--", *ringtrain("info")), timeout=60)
+        assert result.returncode == 0, show(result)
+        assert "2 rank(s) on 1 node(s)" in result.stdout
+
+
+def test_a_bad_hostfile_is_one_line_exit_2_and_nothing_is_written(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode0:2\nnode1 slots=x\n")
+    logs = tmp_path / "logs"
+    result = run(ringtrain("launch", "-np", "2", "--hostfile", str(hostfile), "-o", str(logs), "--", "true"),
+                 timeout=60)
+    assert result.returncode == 2, show(result)
+    assert result.stderr == ("ringtrain: error: hostfile line 3: expected 'host slots=N' or 'host:N', "
+                             "got 'node1 slots=x'\n")
+    assert result.stdout == "" and not logs.exists()
+
+
+def test_too_few_slots_and_a_missing_command_are_usage_errors():
+    for args in (["-np", "5", "-H", "a:2,b:2", "--", "true"], ["-np", "2", "--"], ["-np", "2", "--bogus"]):
+        result = run(ringtrain("launch", *args), timeout=60)
+        assert result.returncode == 2, show(result)
+        assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, show(result)
+
+
+def test_dry_run_prints_the_command_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    result = run(ringtrain("launch", "-np", "2", "-H", "h1:1,h2:1", "--dry-run", "--", "touch", str(marker)),
+                 timeout=60)
+    assert result.returncode == 0, show(result)
+    assert result.stdout.endswith(f" -np 2 touch {marker}\n") and "h1:1,h2:1" in result.stdout
+    assert not marker.exists()

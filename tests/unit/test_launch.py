@@ -1,0 +1,266 @@
+"""The launcher's pure parts: hostfiles in both syntaxes, -H lists, slots, command lines."""
+
+import io
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringtrain import launch as L
+from ringtrain.errors import UsageError
+from ringtrain.launch import Host, check_slots, format_command, format_hostfile, launch_command
+from ringtrain.launch import parse_host_list, parse_hostfile
+from ringtrain.rank_log import rank_from_env
+
+MPIRUN = "/opt/mpi/bin/mpirun"
+
+
+# --- hostfiles ----------------------------------------------------------------
+
+def test_openmpi_syntax_with_comments_and_blank_lines():
+    text = "# cluster\n\nnode1 slots=2\nnode2 slots=4 max_slots=8   # big one\n  node3\n"
+    assert parse_hostfile(text) == [Host("node1", 2), Host("node2", 4), Host("node3", 1)]
+
+
+def test_mpich_syntax_with_comments_and_blank_lines():
+    text = "node1:2\n# comment line\n   \nnode2:4 # trailing\n10.0.0.7\n"
+    assert parse_hostfile(text) == [Host("node1", 2), Host("node2", 4), Host("10.0.0.7", 1)]
+
+
+def test_syntaxes_may_be_mixed_and_max_slots_may_be_spelt_with_a_dash():
+    assert parse_hostfile("a:3\nb slots=2 max-slots=2\n") == [Host("a", 3), Host("b", 2)]
+
+
+def test_a_host_listed_twice_stays_twice():
+    assert parse_hostfile("a:1\na:2\n") == [Host("a", 1), Host("a", 2)]
+
+
+@pytest.mark.parametrize("text, line, got", [
+    ("node0:1\n\nnode1 slots=x\n", 3, "node1 slots=x"),
+    ("node1 slot=2\n", 1, "node1 slot=2"),
+    ("node1:two\n", 1, "node1:two"),
+    ("node1:2:3\n", 1, "node1:2:3"),
+    ("a:1\nnode1 2\n", 2, "node1 2"),
+    ("-np:2\n", 1, "-np:2"),
+    ("node1 slots=\n", 1, "node1 slots="),
+])
+def test_a_bad_line_names_its_number_and_the_expected_format(text, line, got):
+    with pytest.raises(UsageError) as err:
+        parse_hostfile(text)
+    assert str(err.value) == f"hostfile line {line}: expected 'host slots=N' or 'host:N', got {got!r}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a:1\nnode1 slots=0\n", "hostfile line 2: slots must be at least 1, got 'node1 slots=0'"),
+    ("node1:0\n", "hostfile line 1: slots must be at least 1, got 'node1:0'"),
+    ("a slots=4 max_slots=2\n", "hostfile line 1: max_slots is less than slots in 'a slots=4 max_slots=2'"),
+    ("a slots=1 slots=2\n", "hostfile line 1: slots given twice in 'a slots=1 slots=2'"),
+])
+def test_slot_counts_are_checked(text, message):
+    with pytest.raises(UsageError, match="^" + message.replace("(", r"\(") + "$"):
+        parse_hostfile(text)
+
+
+def test_a_file_with_only_comments_lists_no_hosts():
+    with pytest.raises(UsageError, match="lists no hosts"):
+        parse_hostfile("# nothing here\n\n")
+
+
+def test_reading_a_missing_hostfile_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="cannot read hostfile"):
+        L.read_hostfile(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("flavour, text", [
+    ("openmpi", "node1 slots=2\nnode2 slots=1\n"),
+    ("mpich", "node1:2\nnode2:1\n"),
+])
+def test_written_in_the_syntax_of_each_flavour_with_slots_explicit(flavour, text):
+    assert format_hostfile([Host("node1", 2), Host("node2", 1)], flavour) == text
+
+
+# --- -H lists and slots ---------------------------------------------------------
+
+def test_host_list():
+    assert parse_host_list("host1:2,host2:2,host3") == [Host("host1", 2), Host("host2", 2), Host("host3", 1)]
+
+
+@pytest.mark.parametrize("text, entry", [("a:2,,b:1", 2), ("a:x", 1), ("a:0", 1), ("a b", 1), ("", 1)])
+def test_a_bad_host_list_entry_is_named(text, entry):
+    with pytest.raises(UsageError, match=f"^-H entry {entry}: "):
+        parse_host_list(text)
+
+
+def test_total_slots_must_cover_np():
+    check_slots([Host("a", 2), Host("b", 2)], 4)
+    with pytest.raises(UsageError, match=r"^-np 5 needs 5 slots but the hosts give 4 \(a:2, b:2\); add slots"):
+        check_slots([Host("a", 2), Host("b", 2)], 5)
+
+
+# --- command lines --------------------------------------------------------------
+
+def test_mpich_on_one_host():
+    args, env = launch_command(3, ["python", "x.py"], mpirun=MPIRUN, flavour="mpich")
+    assert args == [MPIRUN, "-np", "3", "python", "x.py"] and env == {}
+
+
+def test_mpich_with_a_hostfile_and_with_hosts():
+    args, _ = launch_command(4, ["prog"], mpirun=MPIRUN, flavour="mpich", hostfile="/tmp/h")
+    assert args == [MPIRUN, "-f", "/tmp/h", "-np", "4", "prog"]
+    args, _ = launch_command(4, ["prog"], mpirun=MPIRUN, flavour="mpich", hosts=[Host("a", 2), Host("b", 2)])
+    assert args == [MPIRUN, "-hosts", "a:2,b:2", "-np", "4", "prog"]
+
+
+def test_openmpi_on_one_host_oversubscribes():
+    args, _ = launch_command(3, ["prog"], mpirun=MPIRUN, flavour="openmpi")
+    assert args == [MPIRUN, "--oversubscribe", "-np", "3", "prog"]
+
+
+def test_openmpi_with_a_hostfile_and_with_hosts_does_not_bind():
+    args, _ = launch_command(4, ["prog"], mpirun=MPIRUN, flavour="openmpi", hostfile="/tmp/h")
+    assert args == [MPIRUN, "--hostfile", "/tmp/h", "--bind-to", "none", "-np", "4", "prog"]
+    args, _ = launch_command(4, ["prog"], mpirun=MPIRUN, flavour="openmpi", hosts=[Host("a", 2), Host("b", 2)])
+    assert args == [MPIRUN, "--host", "a:2,b:2", "--bind-to", "none", "-np", "4", "prog"]
+
+
+def test_openmpi_as_root_gets_the_run_as_root_variables(monkeypatch):
+    monkeypatch.setattr(L.os, "geteuid", lambda: 0)
+    _, env = launch_command(2, ["prog"], mpirun=MPIRUN, flavour="openmpi")
+    assert env == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    monkeypatch.setattr(L.os, "geteuid", lambda: 1000)
+    assert launch_command(2, ["prog"], mpirun=MPIRUN, flavour="openmpi")[1] == {}
+
+
+def test_per_rank_logs_go_through_the_wrapper():
+    args, _ = launch_command(2, ["prog", "-v"], mpirun=MPIRUN, flavour="mpich", logdir="/logs", python="/py")
+    assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.rank_log", "/logs", "--", "prog", "-v"]
+
+
+def test_an_unknown_mpi_cannot_take_a_hostfile():
+    with pytest.raises(UsageError, match="cannot tell whether"):
+        launch_command(2, ["prog"], mpirun=MPIRUN, flavour="unknown", hostfile="/tmp/h")
+
+
+def test_the_printed_command_is_one_shell_line():
+    line = format_command(["mpirun", "-np", "2", "python", "-c", "print('hi there')"], {"B": "1", "A": "x y"})
+    assert line == "A='x y' B=1 mpirun -np 2 python -c 'print('\"'\"'hi there'\"'\"')'"
+
+
+def test_rank_from_the_launchers_variables():
+    assert rank_from_env({"PMI_RANK": "3"}) == 3
+    assert rank_from_env({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    assert rank_from_env({}) is None
+
+
+# --- dry run: prints, writes nothing ----------------------------------------------
+
+@pytest.fixture
+def fake_mpi(monkeypatch, tmp_path):
+    """A stand-in mpirun whose flavour the test chooses."""
+    mpirun = tmp_path / "mpirun"
+    mpirun.write_text("#!/bin/sh\nexit 99\n")
+    mpirun.chmod(0o755)
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(L.os, "geteuid", lambda: 1000)
+
+    def use(flavour):
+        monkeypatch.setattr(L, "detect_flavour", lambda path: flavour)
+        return str(mpirun)
+    return use
+
+
+@pytest.mark.parametrize("flavour, flag, entries", [
+    ("mpich", "-f", ["a:2", "b:1"]),
+    ("openmpi", "--hostfile", ["a slots=2", "b slots=1"]),
+])
+def test_dry_run_prints_the_translated_hostfile_and_command(fake_mpi, tmp_path, flavour, flag, entries):
+    mpirun = fake_mpi(flavour)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb:1\n")
+    out = io.StringIO()
+    logs = tmp_path / "logs"
+    code = L.launch(3, ["prog", "x y"], hostfile=str(hostfile), logdir=str(logs), dry_run=True,
+                    mpirun=mpirun, stdout=out)
+    assert code == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"# {logs}/hostfile ({flavour} syntax, from {hostfile}):"
+    assert lines[1:3] == [f"#   {e}" for e in entries]
+    extra = ["--bind-to none"] if flavour == "openmpi" else []
+    expected = " ".join([mpirun, flag, f"{logs}/hostfile", *extra, "-np 3", L.sys.executable,
+                         f"-m ringtrain.rank_log {logs} -- prog 'x y'"])
+    assert lines[3:] == [expected]
+    assert not logs.exists()
+
+
+def test_dry_run_without_a_log_directory_names_the_hostfile_as_a_placeholder(fake_mpi, tmp_path):
+    mpirun = fake_mpi("mpich")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a:2\n")
+    out = io.StringIO()
+    L.launch(2, ["prog"], hostfile=str(hostfile), dry_run=True, mpirun=mpirun, stdout=out)
+    assert out.getvalue().splitlines()[-1] == f"{mpirun} -f HOSTFILE -np 2 prog"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(np=0, command=["p"]), "number of processes must be at least 1"),
+    (dict(np=2, command=[]), "no command given"),
+    (dict(np=2, command=["p"], hostfile="h", host_list="a:2"), "give --hostfile or -H, not both"),
+    (dict(np=5, command=["p"], host_list="a:2,b:2"), "-np 5 needs 5 slots"),
+])
+def test_validation_errors_write_nothing(fake_mpi, tmp_path, kwargs, message):
+    mpirun = fake_mpi("mpich")
+    logs = tmp_path / "logs"
+    with pytest.raises(UsageError, match="^" + message):
+        L.launch(mpirun=mpirun, logdir=str(logs), **kwargs)
+    assert not logs.exists()
+
+
+def test_the_launcher_refuses_to_run_inside_an_mpi_job(fake_mpi, monkeypatch):
+    mpirun = fake_mpi("mpich")
+    monkeypatch.setenv("PMI_RANK", "0")
+    with pytest.raises(UsageError, match="starts mpirun itself"):
+        L.launch(2, ["p"], mpirun=mpirun, dry_run=True)
+
+
+# --- fuzzing ----------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab1.-_:= #\t\nslotsmax_-x0\r"), max_size=60))
+def test_the_parser_raises_nothing_but_usage_errors(text):
+    try:
+        hosts = parse_hostfile(text)
+    except UsageError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert hosts and all(h.slots >= 1 for h in hosts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_the_parser_raises_nothing_but_usage_errors_on_any_text(text):
+    try:
+        parse_hostfile(text)
+        parse_host_list(text)
+    except UsageError:
+        pass
+
+
+hostnames = st.from_regex(r"[a-z0-9][a-z0-9.\-]{0,12}", fullmatch=True)
+host_lists = st.lists(st.builds(Host, hostnames, st.integers(1, 64)), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(host_lists, st.sampled_from(["openmpi", "mpich"]))
+def test_a_written_hostfile_reads_back_the_same(hosts, flavour):
+    assert parse_hostfile(format_hostfile(hosts, flavour)) == hosts
+
+
+@settings(max_examples=100, deadline=None)
+@given(host_lists, st.sampled_from(["openmpi", "mpich"]), st.data())
+def test_comments_and_blank_lines_change_nothing(hosts, flavour, data):
+    lines = []
+    for line in format_hostfile(hosts, flavour).splitlines():
+        lines += data.draw(st.lists(st.sampled_from(["", "   ", "# note", "\t# x: slots=0"]), max_size=2))
+        lines.append(line + data.draw(st.sampled_from(["", "  ", " # trailing"])))
+    assert parse_hostfile("\n".join(lines)) == hosts
