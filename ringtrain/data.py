@@ -169,6 +169,20 @@ class EpochPlan:
             self.steps_per_epoch = math.ceil(max(sizes) / self.batch_size)
         self._cached = (None, None)
 
+    @classmethod
+    def for_shard(cls, shard, comm=None, *, batch_size, seed=0, drop_last=False):
+        """The plan for a :class:`ringtrain.datasets.Shard`'s rank and size.
+
+        Not collective: every rank derives the same steps from the same
+        global counts. ``comm``, if given, must be the communicator the shard
+        was loaded over (checked, because a mismatch would desynchronise the
+        ranks' step counts).
+        """
+        if comm is not None and (comm.Get_rank(), comm.Get_size()) != (shard.rank, shard.size):
+            raise ValueError(f"shard was loaded for rank {shard.rank} of {shard.size}, "
+                             f"not rank {comm.Get_rank()} of {comm.Get_size()}")
+        return cls(shard.num_train, shard.size, shard.rank, batch_size, seed=seed, drop_last=drop_last)
+
     @property
     def samples_per_epoch(self):
         """Rows this rank trains on per epoch, repeats included."""
@@ -193,6 +207,8 @@ class EpochPlan:
             raise ValueError(f"step must be in [0, {self.steps_per_epoch}), got {step}")
         order = self.epoch_order(epoch)
         return order[step * self.batch_size:(step + 1) * self.batch_size]
+
+    batch_indices = batch
 
     def batches(self, epoch, start_step=0):
         """Yield ``(step, indices)`` for one epoch, from ``start_step`` (to resume mid-epoch)."""

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from ringtrain import UsageError
 from ringtrain.data import EpochPlan
-from ringtrain.datasets import load_sharded, reduce_eval
+from ringtrain.datasets import load_sharded, reduce_eval, sum_eval
 
 SYNTHETIC = dict(samples=1009, features=7, classes=3, seed=4, test_fraction=0.2)  # 1009 is prime
 
@@ -82,7 +82,7 @@ def test_memory_mapped_rows_are_each_read_by_exactly_one_rank(shared_dir):
 def test_every_rank_runs_the_same_steps_and_the_same_seed_the_same_batches(drop_last):
     comm = MPI.COMM_WORLD
     shard = load_sharded("synthetic", comm, batch_size=8, **SYNTHETIC)
-    plan = EpochPlan(shard.num_train, comm.Get_size(), comm.Get_rank(), 8, seed=11, drop_last=drop_last)
+    plan = EpochPlan.for_shard(shard, comm, batch_size=8, seed=11, drop_last=drop_last)
     again = EpochPlan(shard.num_train, comm.Get_size(), comm.Get_rank(), 8, seed=11, drop_last=drop_last)
     epoch0 = [b for _, b in plan.batches(0)]
     epoch1 = [b for _, b in plan.batches(1)]
@@ -99,24 +99,34 @@ def test_every_rank_runs_the_same_steps_and_the_same_seed_the_same_batches(drop_
         assert counts.min() >= 1 and counts.max() <= 2
 
 
+class _Linear:
+    """A fixed linear classifier with the model protocol's ``evaluate``."""
+
+    def __init__(self, features, classes):
+        self.weights = np.random.default_rng(0).normal(size=(features, classes))
+
+    def evaluate(self, x, y):
+        logits = x.astype(np.float64) @ self.weights
+        logits -= logits.max(axis=1, keepdims=True)
+        losses = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(len(y)), y]
+        return float(losses.sum()), int((logits.argmax(axis=1) == y).sum())
+
+
 @pytest.mark.mpi
 def test_evaluation_sums_equal_a_single_process_evaluation():
     comm = MPI.COMM_WORLD
     shard = load_sharded("synthetic", comm, **SYNTHETIC)
     whole = load_sharded("synthetic", MPI.COMM_SELF, **SYNTHETIC)
-    weights = np.random.default_rng(0).normal(size=(7, 3))
-
-    def evaluate(x, y):
-        logits = x.astype(np.float64) @ weights
-        logits -= logits.max(axis=1, keepdims=True)
-        losses = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(len(y)), y]
-        return int((logits.argmax(axis=1) == y).sum()), len(y), float(losses.sum())
-
-    totals = reduce_eval(*evaluate(shard.x_test, shard.y_test), comm=comm)
-    correct, count, loss_sum = evaluate(whole.x_test, whole.y_test)
-    assert (totals.correct, totals.count) == (correct, count)
-    assert totals.accuracy == correct / count
-    assert totals.loss_sum == pytest.approx(loss_sum, rel=1e-12)
+    model = _Linear(7, 3)
+    # Small batches, so ranks run different numbers of them.
+    totals = reduce_eval(model, shard, comm, batch_size=16)
+    by_hand = sum_eval(*model.evaluate(shard.x_test, shard.y_test), len(shard.y_test), comm=comm)
+    loss_sum, correct = model.evaluate(whole.x_test, whole.y_test)
+    count = len(whole.y_test)
+    for result in (totals, by_hand):
+        assert (result.correct, result.count) == (correct, count)
+        assert result.accuracy == correct / count
+        assert result.loss_sum == pytest.approx(loss_sum, rel=1e-12)
 
 
 @pytest.mark.mpi
