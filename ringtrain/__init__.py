@@ -6,6 +6,8 @@ The public API; see README.md for the commands.
 __version__ = "0.1.0"
 
 from .checkpoint import CheckpointError, load_checkpoint
+from .data import EpochPlan, shard_bounds
+from .datasets import EvalTotals, Shard, load_sharded, reduce_eval, sum_eval
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
 from .models import Model, build_model, register_model
@@ -21,6 +23,13 @@ __all__ = [
     "agree",
     "CheckpointError",
     "load_checkpoint",
+    "EpochPlan",
+    "shard_bounds",
+    "Shard",
+    "load_sharded",
+    "EvalTotals",
+    "reduce_eval",
+    "sum_eval",
     "Model",
     "build_model",
     "register_model",
