@@ -1,0 +1,221 @@
+"""ringtrain's collectives against MPI's own Allreduce, at every size the harness runs.
+
+Floats are compared with a tolerance (the reduction order differs from MPI's),
+integers exactly. Every test asserts after its last collective, so a failing
+rank cannot strand its peers. The same tests run on CuPy arrays when a GPU is
+present (marker ``gpu``).
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringtrain import backend
+from ringtrain.collectives import SMALL_BYTES, _CommState, allreduce, allreduce_, allreduce_many_, broadcast_
+from ringtrain.errors import MismatchError, UsageError
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+# Edge lengths (empty, one, fewer than ranks, primes) and one prime above the
+# small-message threshold for every dtype, so "auto" takes the ring too.
+LENGTHS = [0, 1, 2, 3, 7, 1009, SMALL_BYTES // 2 + 11]
+ALGORITHMS = ["auto", "ring", "mpi"]
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    if request.param == "numpy":
+        return np
+    if not backend.gpu_available():
+        pytest.skip("no CUDA GPU visible to CuPy on this machine")
+    return backend.xp_for("gpu")
+
+
+def data(n, dtype, seed=0):
+    """This rank's input: small integers for int dtypes, normals for floats."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    return (rng.standard_normal(n) * 4).astype(dtype)
+
+
+def reference(x, op):
+    """MPI's own Allreduce: exact for integers, in float64 for floats."""
+    wide = x.astype(np.int64 if x.dtype.kind == "i" else np.float64)
+    mpi_op = {"sum": MPI.SUM, "mean": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}[op]
+    comm.Allreduce(MPI.IN_PLACE, wide, mpi_op)
+    return wide / size if op == "mean" else wide
+
+
+def close(got, want, dtype):
+    got = backend.to_numpy(got).astype(np.float64)
+    if np.dtype(dtype).kind == "i":
+        return np.array_equal(got, want)
+    tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}[np.dtype(dtype).type]
+    return np.allclose(got, want, rtol=tol, atol=tol * 4 * size)
+
+
+def same_everywhere(y):
+    """True on every rank when all ranks hold bitwise the same array."""
+    mine = backend.to_numpy(y).tobytes()
+    return all(other == mine for other in comm.allgather(mine))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_sum_matches_mpi_every_length(xp, dtype, algorithm):
+    failures = []
+    for n in LENGTHS:
+        x = data(n, dtype)
+        want = reference(x, "sum")
+        got = allreduce(xp.asarray(x), "sum", comm, algorithm=algorithm)
+        if not (got.dtype == x.dtype and got.shape == x.shape and backend.get_array_module(got) is xp):
+            failures.append((n, "type"))
+        if not close(got, want, dtype):
+            failures.append((n, "value"))
+        if not same_everywhere(got):
+            failures.append((n, "ranks differ"))
+    assert failures == []
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["mean", "min", "max"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int64])
+def test_other_ops_match_mpi(xp, op, dtype):
+    failures = []
+    for n in (1, 5, 1009, SMALL_BYTES // 2 + 11):
+        for algorithm in ALGORITHMS:
+            if op == "mean" and np.dtype(dtype).kind == "i":
+                continue
+            x = data(n, dtype, seed=1)
+            want = reference(x, op)
+            got = allreduce_(xp.asarray(x), op, comm, algorithm=algorithm)
+            exact = op in ("min", "max")
+            if not (np.array_equal(backend.to_numpy(got), want) if exact else close(got, want, dtype)):
+                failures.append((n, algorithm))
+    assert failures == []
+
+
+@pytest.mark.mpi
+def test_mean_on_integers_is_an_error_everywhere():
+    with pytest.raises(UsageError, match="'mean' needs a floating-point dtype, got int32") as info:
+        allreduce_(np.ones(4, np.int32), "mean", comm)
+    assert info.value.everywhere
+
+
+@pytest.mark.mpi
+def test_unknown_op_and_algorithm_are_errors_everywhere():
+    with pytest.raises(UsageError, match="unknown op 'avg'; choose one of sum, mean, min, max"):
+        allreduce(np.ones(3), "avg", comm)
+    with pytest.raises(UsageError, match="unknown algorithm 'tree'"):
+        allreduce(np.ones(3), "sum", comm, algorithm="tree")
+
+
+@pytest.mark.mpi
+def test_in_place_and_out_of_place(xp):
+    x = xp.asarray(data(12, np.float32).reshape(3, 4))
+    before = backend.to_numpy(x).copy()
+    y = allreduce(x, "sum", comm)
+    unchanged = np.array_equal(backend.to_numpy(x), before)
+    z = allreduce_(x, "sum", comm)
+    # A non-contiguous view is reduced through a copy and written back.
+    big = xp.asarray(data(40, np.float64))
+    strided = big[::2]
+    want = reference(backend.to_numpy(strided), "sum")
+    allreduce_(strided, "sum", comm)
+    untouched = data(40, np.float64)[1::2]
+    assert unchanged and z is x and y is not x
+    assert np.array_equal(backend.to_numpy(y), backend.to_numpy(z))
+    assert close(strided, want, np.float64)
+    assert np.array_equal(backend.to_numpy(big)[1::2], untouched)
+
+
+@pytest.mark.mpi
+def test_fused_list_of_mixed_shapes_and_dtypes(xp):
+    shapes = [(3, 4), (5,), (), (2, 2, 2), (1000,), (7,), (0,), (SMALL_BYTES // 4 + 3,)]
+    dtypes = [np.float32, np.float32, np.float64, np.float64, np.float32, np.int64, np.float32, np.float32]
+    host = [data(int(np.prod(s)), d, seed=i).reshape(s) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    grads = [xp.asarray(a) for a in host]
+    grads[3] = xp.asarray(host[3].transpose(2, 1, 0).copy()).transpose(2, 1, 0)  # non-contiguous member
+    want = [reference(a, "sum") for a in host]
+    results = []
+    for bucket_bytes in (64, 1 << 20):
+        out = allreduce_many_([g.copy() for g in grads], "sum", comm, bucket_bytes=bucket_bytes)
+        results.append(all(close(o, w, o.dtype) and o.shape == w.shape for o, w in zip(out, want)))
+    # The fusion buffer lives on the communicator and is reused: no new buffers second time.
+    state = _CommState.of(comm)
+    allreduce_many_([g.copy() for g in grads], "sum", comm, bucket_bytes=1 << 20)
+    buffers = {k: id(v) for k, v in state._buffers.items()}
+    allreduce_many_([g.copy() for g in grads], "sum", comm, bucket_bytes=1 << 20)
+    reused = buffers == {k: id(v) for k, v in state._buffers.items()}
+    named = allreduce_many_({"w": xp.ones(3), "b": xp.ones(2)}, "mean", comm)
+    empty = allreduce_many_([], "mean", comm)
+    assert results == [True, True] and reused and empty == []
+    assert np.array_equal(backend.to_numpy(named["w"]), np.ones(3))
+
+
+@pytest.mark.mpi
+def test_deterministic_and_identical_on_every_rank(xp):
+    verdicts = []
+    for algorithm in ALGORITHMS:
+        for n in (1009, SMALL_BYTES // 2 + 11):
+            x = data(n, np.float32, seed=7)
+            first = backend.to_numpy(allreduce(xp.asarray(x), "mean", comm, algorithm=algorithm))
+            second = backend.to_numpy(allreduce(xp.asarray(x), "mean", comm, algorithm=algorithm))
+            verdicts.append((algorithm, n, first.tobytes() == second.tobytes(), same_everywhere(first)))
+    assert all(a and b for _, _, a, b in verdicts), verdicts
+
+
+def _mismatch(call):
+    """Run ``call`` expecting MismatchError on every rank; return its message."""
+    try:
+        call()
+    except MismatchError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n0, n", [(10, 11), (SMALL_BYTES, SMALL_BYTES + 1), (10, SMALL_BYTES)])
+def test_different_lengths_raise_everywhere(n0, n):
+    message = _mismatch(lambda: allreduce_(np.ones(n0 if rank == 0 else n, np.float32), "sum", comm))
+    # The communicator is still in step afterwards.
+    after = allreduce(np.ones(5), "sum", comm)
+    assert message is not None and f"{n0} elements and {n} elements" in message
+    assert np.array_equal(after, np.full(5, float(size)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_dtypes_ops_and_lists_raise_everywhere():
+    dtype = np.float64 if rank == size - 1 else np.float32
+    messages = [
+        _mismatch(lambda: allreduce_(np.ones(100, dtype), "sum", comm)),
+        _mismatch(lambda: allreduce_(np.ones(100_000, dtype), "sum", comm)),
+        _mismatch(lambda: allreduce_(np.ones(4), "sum" if rank else "mean", comm)),
+        _mismatch(lambda: allreduce_many_([np.ones(3)] * (2 if rank else 3), "sum", comm)),
+        _mismatch(lambda: allreduce_many_([np.ones((2, 3)) if rank else np.ones((3, 2))], "sum", comm)),
+        _mismatch(lambda: broadcast_(np.ones(4), root=0 if rank else 1, comm=comm)),
+    ]
+    after = allreduce(np.ones(5), "sum", comm)
+    assert all(m is not None for m in messages), messages
+    assert "different dtypes: float32 and float64" in messages[0] and "float32 and float64" in messages[1]
+    assert "'sum' and 'mean'" in messages[2]
+    assert "different numbers of arrays: 2 and 3" in messages[3]
+    assert "different shapes" in messages[4]
+    assert "different roots: 0 and 1" in messages[5]
+    assert np.array_equal(after, np.full(5, float(size)))
+
+
+@pytest.mark.mpi
+def test_broadcast(xp):
+    root = size - 1
+    x = xp.asarray(data(1009, np.float32, seed=3))
+    want = comm.bcast(data(1009, np.float32, seed=3), root=root)
+    broadcast_(x, root=root, comm=comm)
+    y = xp.asarray(data(20, np.int64, seed=4))[::2]
+    want_y = comm.bcast(data(20, np.int64, seed=4)[::2], root=0)
+    broadcast_(y, comm=comm)
+    assert np.array_equal(backend.to_numpy(x), want)
+    assert np.array_equal(backend.to_numpy(y), want_y)
