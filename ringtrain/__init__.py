@@ -5,6 +5,7 @@ The public API; see README.md for the commands.
 
 __version__ = "0.1.0"
 
+from .collectives import allreduce, allreduce_, allreduce_many_, broadcast_
 from .checkpoint import CheckpointError, load_checkpoint
 from .data import EpochPlan, shard_bounds
 from .datasets import EvalTotals, Shard, load_sharded, reduce_eval, sum_eval
@@ -21,6 +22,10 @@ __all__ = [
     "MismatchError",
     "abort_on_error",
     "agree",
+    "allreduce",
+    "allreduce_",
+    "allreduce_many_",
+    "broadcast_",
     "CheckpointError",
     "load_checkpoint",
     "EpochPlan",
