@@ -155,6 +155,13 @@ class _CommState:
         self.recv = np.empty(capacity, np.uint8)
         self.send_header = self.send[:_HEADER_BYTES].view(np.int64)
         self.recv_header = self.recv[:_HEADER_BYTES].view(np.int64)
+        self.send_bytes, self.recv_bytes = memoryview(self.send), memoryview(self.recv)
+        self._header_only = [self.send[:_HEADER_BYTES], MPI.BYTE]
+        self._heard = [self.recv, MPI.BYTE]
+        # Small calls are latency-bound: Python's own overhead is a large part
+        # of a 4 KiB call, so packed headers and buffer views are made once.
+        self._packed = {}
+        self._views = {}
 
     @classmethod
     def of(cls, comm):
@@ -181,6 +188,19 @@ class _CommState:
             self._buffers[key] = buf
         return buf
 
+    def views(self, dtype, count):
+        """(payload, message spec, received payload) for ``count`` elements of ``dtype``, cached."""
+        key = (dtype, count)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 1024:
+                self._views.clear()
+            end = _HEADER_BYTES + count * np.dtype(dtype).itemsize
+            views = self._views[key] = (self.send[_HEADER_BYTES:end].view(dtype),
+                                        [self.send[:end], self.MPI.BYTE],
+                                        self.recv[_HEADER_BYTES:end].view(dtype))
+        return views
+
     def exchange(self, header, payload, combine, out):
         """The header exchange, by recursive doubling, with an optional payload.
 
@@ -194,7 +214,7 @@ class _CommState:
 
         Args:
             header: ``_K`` ints.
-            payload: a NumPy view of ``self.send`` just after the header
+            payload: the payload view from :meth:`views`, in ``self.send`` after the header,
                 holding this rank's data, or None to send the header alone.
             combine: ``f(a, b, out)`` applied lower rank first.
             out: 1-D NumPy array the result is written to.
@@ -202,22 +222,27 @@ class _CommState:
         Returns:
             ``(lowest, highest)`` field values over all ranks.
         """
-        MPI = self.MPI
-        comm, rank, byte = self.comm, self.rank, MPI.BYTE
-        mine = _HEADER.pack(*header, *(-v for v in header))
-        self.send[:_HEADER_BYTES] = np.frombuffer(mine, np.uint8)
-        nbytes = _HEADER_BYTES + (payload.nbytes if payload is not None else 0)
-        message = [self.send[:nbytes], byte]
-        heard = [self.recv, byte]
+        comm, rank = self.comm, self.rank
+        mine = self._packed.get(header)
+        if mine is None:
+            if len(self._packed) > 1024:  # bounded: headers repeat in training loops
+                self._packed.clear()
+            mine = self._packed[header] = _HEADER.pack(*header, *(-v for v in header))
+        self.send_bytes[:_HEADER_BYTES] = mine
+        if payload is None:
+            message, theirs = self._header_only, None
+        else:
+            message, theirs = self.views(payload.dtype, payload.size)[1:]
+        heard, received = self._heard, self.recv_bytes[:_HEADER_BYTES]
         agreed = True
         last = len(self.doubling) - 1
         for step, (kind, peer) in enumerate(self.doubling):
             if kind == "send":
                 comm.Send(message, peer, _TAG)
                 comm.Recv(heard, peer, _TAG)
-                agreed = self.recv[:_HEADER_BYTES].tobytes() == mine
+                agreed = received == mine
                 if agreed and payload is not None:
-                    out[...] = self.recv[_HEADER_BYTES:nbytes].view(payload.dtype)
+                    out[...] = theirs
                 return self._verdict(agreed, self.recv_header)
             if kind == "unfold":
                 comm.Send(message, peer, _TAG)
@@ -226,11 +251,10 @@ class _CommState:
                 comm.Sendrecv(message, peer, _TAG, heard, peer, _TAG)
             else:
                 comm.Recv(heard, peer, _TAG)
-            if self.recv[:_HEADER_BYTES].tobytes() != mine:
+            if received != mine:
                 agreed = False
                 np.minimum(self.send_header, self.recv_header, out=self.send_header)
             if agreed and payload is not None:
-                theirs = self.recv[_HEADER_BYTES:nbytes].view(payload.dtype)
                 # On the last round (nothing left to pass on) write the result
                 # straight to its destination: one copy fewer.
                 target = out if step == last else payload
@@ -284,7 +308,7 @@ def _raise_mismatch(who, header, verdict, local_problem):
 
 def _check_local(flat, op, algorithm):
     """(problem code, message) for this rank's own arguments; (0, None) when fine."""
-    dtype = np.dtype(flat.dtype)
+    dtype = flat.dtype
     if dtype not in _DTYPE_CODE:
         names = ", ".join(str(d) for d in _DTYPES)
         return 1, f"unsupported dtype {dtype}; use one of {names}"
@@ -304,7 +328,7 @@ def _reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, proble
         if code:
             raise UsageError(f"{who}: {message}", everywhere=True)
         return flat
-    dtype = np.dtype(flat.dtype)
+    dtype = flat.dtype
     header = (code, narrays, _DTYPE_CODE.get(dtype, 0), flat.size, _OP_CODE.get(op, 0),
               _ALGORITHM_CODE.get(algorithm, 0), 0, signature)
     gpu = backend.is_gpu_array(flat)
@@ -314,7 +338,7 @@ def _reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, proble
     # wider floats divide last, which is more accurate.
     predivide = code == 0 and op == "mean" and dtype == np.float16
     if small:
-        payload = state.send[_HEADER_BYTES:_HEADER_BYTES + flat.nbytes].view(dtype)
+        payload = state.views(dtype, flat.size)[0]
         if gpu:
             backend.synchronize(flat)
             flat.get(out=payload)

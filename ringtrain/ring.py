@@ -17,8 +17,6 @@ The index maths (:func:`chunk_bounds`, :func:`ring_schedule`,
 :func:`ring_allreduce` is the only function here that talks to MPI.
 """
 
-from mpi4py import MPI
-
 from .backend import synchronize
 
 __all__ = [
@@ -133,6 +131,8 @@ def ring_allreduce(comm, buf, combine, stages, segment):
             elements, the reused receive buffers.
         segment: pipeline segment length in elements.
     """
+    from mpi4py import MPI
+
     size = comm.Get_size()
     if size == 1 or buf.size == 0:
         return buf

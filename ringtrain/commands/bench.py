@@ -48,24 +48,29 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _timed(comm, fn, reset, iters, warmup):
-    """Median over iterations of the slowest rank's time for ``fn()``."""
-    import numpy as np
+def _timed(comm, contestants, reset, iters, warmup):
+    """Median seconds per contestant, each iteration's time the slowest rank's.
 
-    for _ in range(warmup):
-        reset()
-        fn()
-    times = np.empty(iters)
-    for i in range(iters):
-        reset()
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        times[i] = time.perf_counter() - start
+    The contestants take turns within each iteration, so a change in machine
+    load during the run affects them alike.
+    """
+    import numpy as np
     from mpi4py import MPI
 
+    for _ in range(warmup):
+        for fn in contestants.values():
+            reset()
+            fn()
+    times = np.empty((len(contestants), iters))
+    for i in range(iters):
+        for k, fn in enumerate(contestants.values()):
+            reset()
+            comm.Barrier()
+            start = time.perf_counter()
+            fn()
+            times[k, i] = time.perf_counter() - start
     comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return float(statistics.median(times))
+    return {name: float(np.median(times[k])) for k, name in enumerate(contestants)}
 
 
 def memcpy_rate(nbytes=64 << 20, iters=10):
@@ -111,8 +116,7 @@ def run(args):
             "ring": lambda: allreduce_(x, "sum", comm, algorithm="ring"),
             "auto": lambda: allreduce_(x, "sum", comm, algorithm="auto"),
         }
-        for name, fn in contestants.items():
-            seconds = _timed(comm, fn, reset, iters, args.warmup)
+        for name, seconds in _timed(comm, contestants, reset, iters, args.warmup).items():
             algbw = nbytes / seconds
             row[name] = {"time_us": seconds * 1e6, "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * factor / 1e9}
         row["ring_vs_mpi_busbw"] = row["ring"]["busbw_GBps"] / row["mpi"]["busbw_GBps"]
