@@ -30,7 +30,7 @@ def test_info_reports_two_nodes_with_their_host_names(cluster, tmp_path):  # noq
     assert "-f " in result.stderr and "ringtrain launch: " in result.stderr, show(result)
 
 
-def test_allreduce_across_hosts_is_correct_and_crosses_the_network(cluster):  # noqa: F811
+def test_ring_allreduce_across_hosts_matches_mpi_and_crosses_the_network(cluster):  # noqa: F811
     n = 1 << 18  # 2 MiB of float64 per rank
     before = {h: cluster.iface_bytes(h) for h in cluster.names}
     result = cluster.run(4, [sys.executable, PROGRAM, str(n)], timeout=90)
