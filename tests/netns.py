@@ -80,6 +80,7 @@ class Cluster:
         self.namespaces = {name: f"{self.tag}{name}" for name in self.names}
         self.address = {name: f"{SUBNET}.{i + 2}" for i, name in enumerate(self.names)}
         self.workdir = None
+        self._made_etc_netns = False
         self.hostfile = self.agent = None
         self.env = {}
 
@@ -98,6 +99,7 @@ class Cluster:
         import tempfile
 
         self.workdir = tempfile.mkdtemp(prefix=f"ringtrain-{self.tag}-")
+        self._made_etc_netns = not os.path.isdir("/etc/netns")
         _sh("ip", "netns", "add", self.switch)
         _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -150,6 +152,12 @@ class Cluster:
             # Deleting a namespace deletes its veth end, and with it the peer.
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        if self._made_etc_netns:
+            try:
+                os.rmdir("/etc/netns")  # only if empty: another cluster may be using it
+            except OSError:
+                pass
+            self._made_etc_netns = False
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
