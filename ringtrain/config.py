@@ -27,10 +27,10 @@ class TrainConfig:
 
     dataset: str = _f("digits", "digits, mnist5k, synthetic, PATH.npz, or a directory with x.npy and y.npy")
     model: str = _f("mlp", "mlp or softmax")
-    hidden: tuple = _f((128,), "hidden layer sizes of the mlp, comma-separated", parse="ints")
-    epochs: int = _f(20, "passes over the training set")
+    hidden: tuple = _f((256, 128), "hidden layer sizes of the mlp, comma-separated", parse="ints")
+    epochs: int = _f(30, "passes over the training set")
     batch_size: int = _f(32, "samples per step on each rank (global batch = this x ranks)")
-    lr: float = _f(0.05, "base learning rate")
+    lr: float = _f(0.1, "base learning rate")
     optimizer: str = _f("sgd", "sgd (with momentum) or adam", choices=("sgd", "adam"))
     momentum: float = _f(0.9, "SGD momentum (0 for plain SGD)")
     weight_decay: float = _f(0.0, "L2 weight decay (decoupled for adam)")

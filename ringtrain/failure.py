@@ -71,6 +71,8 @@ def abort_on_error(comm=None, stream=None):
     except BaseException as exc:  # noqa: BLE001 - we must catch everything to abort
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             raise
+        if isinstance(exc, UsageError) and exc.everywhere:
+            raise  # every rank raises it: nobody waits, so no abort (and no MPI start-up) is needed
         from mpi4py import MPI
 
         comm = comm if comm is not None else MPI.COMM_WORLD

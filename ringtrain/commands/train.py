@@ -1,13 +1,54 @@
-"""``ringtrain train``: not written yet."""
+"""``ringtrain train``: data-parallel training; run it under ``mpirun -np N``.
 
-from ..errors import UsageError
+Every flag is a field of :class:`ringtrain.config.TrainConfig`; ``--config
+FILE`` (TOML or YAML) sets the same names, and flags override the file.
+"""
 
-HELP = "(not available yet)"
+import argparse
+import dataclasses
+
+from ..config import FIELDS, TrainConfig, _type_name, load_config_file, parse_ints, resolve
+
+HELP = "train a model data-parallel (run under mpirun -np N)"
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
 
 
 def add_arguments(parser):
-    pass
+    parser.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings (flags override it)")
+    defaults = TrainConfig()
+    for field in dataclasses.fields(TrainConfig):
+        kind = _type_name(field)
+        default = getattr(defaults, field.name)
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        help_text = field.metadata["help"] + (f" (default: {shown})" if shown is not None else "")
+        kwargs = {"default": None, "help": help_text, "dest": field.name}
+        if kind == "bool":
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if kind == "ints":
+            kwargs["type"] = lambda text, _n=field.name: parse_ints(text, _n)
+            kwargs["metavar"] = "N[,N...]"
+        elif kind in ("int", "float"):
+            kwargs["type"] = int if kind == "int" else float
+            kwargs["metavar"] = "N" if kind == "int" else "X"
+        else:
+            kwargs["metavar"] = field.name.upper().replace("_", "-")
+        parser.add_argument(_flag(field.name), **kwargs)
+
+
+def config_from_args(args):
+    """The resolved configuration: defaults < --config file < flags."""
+    file_settings = load_config_file(args.config) if args.config else {}
+    flags = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
+    return resolve(flags, file_settings)
 
 
 def run(args):
-    raise UsageError("'ringtrain train' is not available yet", everywhere=True)
+    from ..trainer import train
+
+    cfg = config_from_args(args)
+    train(cfg)
+    return 0

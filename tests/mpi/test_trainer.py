@@ -1,0 +1,85 @@
+"""The trainer against references it can compute: one process, and itself straight through.
+
+Runs at 1, 2, 3 and 4 ranks. Each test ends its collectives before asserting.
+"""
+
+import dataclasses
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringtrain.config import TrainConfig
+from ringtrain.trainer import train
+
+QUIET = dict(progress=False, log_every=1000, eval_every=0)
+
+
+def shared_tmpdir(comm):
+    """A temporary directory that every rank agrees on (made by rank 0)."""
+    path = tempfile.mkdtemp(prefix="ringtrain-test-") if comm.Get_rank() == 0 else None
+    return comm.bcast(path, root=0)
+
+
+def write_dataset(comm, directory, n_train, n_test=24, features=7, classes=3, seed=5):
+    path = os.path.join(directory, "data.npz")
+    if comm.Get_rank() == 0:
+        rng = np.random.default_rng(seed)
+        centers = rng.normal(size=(classes, features)) * 2
+        y = rng.integers(0, classes, n_train + n_test)
+        x = (centers[y] + rng.normal(size=(len(y), features))).astype(np.float32)
+        np.savez(path, x=x[:n_train], y=y[:n_train], x_test=x[n_train:], y_test=y[n_train:])
+    comm.Barrier()
+    return path
+
+
+@pytest.mark.mpi
+def test_full_batch_equals_single_process():
+    # With a dataset that divides evenly and the whole shard as the batch,
+    # N ranks averaging shard gradients take exactly the single-process step.
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    tmp = shared_tmpdir(comm)
+    n = 120  # divisible by 1, 2, 3 and 4
+    data = write_dataset(comm, tmp, n)
+    base = TrainConfig(dataset=data, model="mlp", hidden=(16,), optimizer="sgd", momentum=0.0, lr=0.3,
+                       epochs=15, resume="none", **QUIET)
+    many = train(dataclasses.replace(base, batch_size=n // size, run_dir=os.path.join(tmp, "many")), comm)
+    one = train(dataclasses.replace(base, batch_size=n, run_dir=os.path.join(tmp, f"one-{rank}")), MPI.COMM_SELF)
+    comm.Barrier()
+    assert many.step == one.step == 15
+    for name in one.params:
+        np.testing.assert_allclose(many.params[name], one.params[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stop_at", [5, 9])  # mid-epoch, and at an epoch boundary (9 steps per epoch)
+def test_resume_is_bitwise_exact(stop_at):
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    tmp = shared_tmpdir(comm)
+    n = 9 * 4 * size  # 9 steps per epoch at batch 4
+    data = write_dataset(comm, tmp, n)
+    base = TrainConfig(dataset=data, model="mlp", hidden=(8,), optimizer="adam", lr=0.01, epochs=3,
+                       batch_size=4, checkpoint_every=4, resume="auto", **QUIET)
+    straight = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "straight")), comm)
+    stopped = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "resumed"), max_steps=stop_at), comm)
+    resumed = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "resumed")), comm)
+    digests = comm.allgather({k: v.tobytes() for k, v in resumed.params.items()})
+    assert stopped.step == stop_at and stopped.stopped == "max_steps"
+    assert resumed.step == straight.step == 27
+    for name in straight.params:
+        assert np.array_equal(straight.params[name], resumed.params[name]), name
+    assert all(d == digests[0] for d in digests)
+
+
+@pytest.mark.mpi
+def test_every_rank_ends_with_identical_parameters():
+    comm = MPI.COMM_WORLD
+    tmp = shared_tmpdir(comm)
+    result = train(TrainConfig(dataset="synthetic", samples=503, features=5, classes=3, hidden=(8,), epochs=2,
+                               batch_size=8, run_dir=os.path.join(tmp, "r"), resume="none", **QUIET), comm)
+    everyone = comm.allgather({k: v.tobytes() for k, v in result.params.items()})
+    assert all(e == everyone[0] for e in everyone)
