@@ -14,6 +14,8 @@ from .failure import abort_on_error, agree
 from .models import Model, build_model, register_model
 from .optim import build_optimizer, learning_rate, scaled_lr
 from .topology import TaskSpec
+from .config import TrainConfig
+from .trainer import TrainResult, train
 
 __all__ = [
     "__version__",
@@ -41,4 +43,7 @@ __all__ = [
     "build_optimizer",
     "learning_rate",
     "scaled_lr",
+    "TrainConfig",
+    "TrainResult",
+    "train",
 ]
