@@ -19,7 +19,9 @@ How a call runs (``algorithm="auto"``):
 * Larger messages send the header alone (a few microseconds), then run the
   pipelined ring (:func:`ringtrain.ring.ring_allreduce`).
 * ``algorithm="mpi"`` sends the header alone, then calls MPI's ``Allreduce``;
-  ``algorithm="ring"`` forces the ring at every size.
+  ``algorithm="ring"`` forces the ring at every size;
+  ``algorithm="hierarchical"`` reduces within each host, rings across hosts
+  and broadcasts within each host (:mod:`ringtrain.hierarchical`).
 
 Reductions run in a fixed order, so every rank gets bitwise the same result
 and a repeated call gives bitwise the same result.
@@ -70,7 +72,7 @@ SEGMENT_BYTES = 1 << 20
 DEFAULT_BUCKET_BYTES = 8 << 20
 
 OPS = ("sum", "mean", "min", "max")
-ALGORITHMS = ("auto", "ring", "mpi")
+ALGORITHMS = ("auto", "ring", "mpi", "hierarchical")
 
 _DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
@@ -385,7 +387,10 @@ def _reduce_large(state, flat, op, algorithm, predivide):
         stage = state.buffer("ring", 2 * segment * flat.itemsize, xp)
         stages = (stage[: segment * flat.itemsize].view(flat.dtype),
                   stage[segment * flat.itemsize: 2 * segment * flat.itemsize].view(flat.dtype))
-        ring_allreduce(state.comm, flat, getattr(xp, _COMBINE[op].__name__), stages, segment)
+        reduce = ring_allreduce
+        if algorithm == "hierarchical":
+            from .hierarchical import hierarchical_reduce as reduce
+        reduce(state.comm, flat, getattr(xp, _COMBINE[op].__name__), stages, segment)
     if op == "mean" and not predivide:
         xp.divide(flat, state.size, out=flat)
         backend.synchronize(flat)
@@ -443,8 +448,9 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
             copy); a read-only ``x`` is an error.
         op: ``"sum"``, ``"mean"`` (floating dtypes only), ``"min"`` or ``"max"``.
         comm: communicator (default ``MPI.COMM_WORLD``).
-        algorithm: ``"auto"`` (by size), ``"ring"`` or ``"mpi"`` (MPI's own
-            ``Allreduce`` after the check).
+        algorithm: ``"auto"`` (by size), ``"ring"``, ``"mpi"`` (MPI's own
+            ``Allreduce`` after the check) or ``"hierarchical"`` (within
+            hosts, then across them: :mod:`ringtrain.hierarchical`).
 
     Returns:
         ``x``, holding the result, bitwise the same on every rank.
@@ -500,7 +506,7 @@ def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, algorithm="
         op: ``"sum"``, ``"mean"``, ``"min"`` or ``"max"``.
         comm: communicator (default ``MPI.COMM_WORLD``).
         bucket_bytes: largest bucket (default :data:`DEFAULT_BUCKET_BYTES`).
-        algorithm: ``"auto"``, ``"ring"`` or ``"mpi"``.
+        algorithm: ``"auto"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
 
     Returns:
         ``arrays`` itself, each array holding its result.
