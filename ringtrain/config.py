@@ -57,6 +57,8 @@ class TrainConfig:
     bucket_mb: float = _f(4.0, "gradient fusion bucket size in MiB")
     overlap: bool = _f(True, "reduce gradient buckets while backward is still running")
     fp16_allreduce: bool = _f(False, "send gradients as float16 on the wire (halves traffic)")
+    allreduce: str = _f("auto", "gradient allreduce: auto, ring, mpi, or hierarchical (within hosts, then across)",
+                        choices=("auto", "ring", "mpi", "hierarchical"))
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
     progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal")
 
@@ -65,7 +67,7 @@ class TrainConfig:
 MUST_MATCH = ("dataset", "model", "hidden", "epochs", "batch_size", "lr", "optimizer", "momentum",
               "weight_decay", "warmup_steps", "scale_lr", "seed", "drop_last", "test_fraction", "samples",
               "features", "classes", "checkpoint_every", "max_steps", "nonfinite", "bucket_mb", "overlap",
-              "fp16_allreduce", "device", "resume", "eval_every", "log_every")
+              "fp16_allreduce", "allreduce", "device", "resume", "eval_every", "log_every")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -215,7 +217,7 @@ def validate(cfg):
         bad("hidden", "the mlp needs at least one hidden layer, e.g. --hidden 128")
     if any(h <= 0 for h in cfg.hidden):
         bad("hidden", f"layer sizes must be > 0, got {','.join(map(str, cfg.hidden))}")
-    for name in ("optimizer", "device", "nonfinite"):
+    for name in ("optimizer", "device", "nonfinite", "allreduce"):
         choices = FIELDS[name].metadata["choices"]
         if getattr(cfg, name) not in choices:
             bad(name, f"unknown value {getattr(cfg, name)!r}; choose one of {', '.join(choices)}")

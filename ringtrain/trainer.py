@@ -233,7 +233,7 @@ class _Loop:
             loss, grads, correct = self.model.loss_and_grad(xb, yb)
         with tl.span("allreduce", step), self.dog.watch("gradient allreduce", step, self.left):
             allreduce_many_(list(grads.values()), op="mean", comm=self.comm,
-                            bucket_bytes=int(cfg.bucket_mb * 2**20))
+                            bucket_bytes=int(cfg.bucket_mb * 2**20), algorithm=cfg.allreduce)
         # The reduced gradients are bitwise equal on every rank, so this
         # decision is the same everywhere without another collective.
         finite = all(bool(xp.isfinite(g).all()) for g in grads.values())
