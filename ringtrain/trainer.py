@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import backend
-from .checkpoint import latest_valid_checkpoint, read_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
 from .collectives import allreduce_many_, broadcast_
 from .config import MUST_MATCH, to_json, validate
 from .data import EpochPlan
@@ -201,7 +201,12 @@ def train(cfg, comm=None, *, model=None, stream=None):
     run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
     log = RunLog(run_dir, spec.is_master, stream=stream)
     step, epoch, step_in_epoch, streak = _resume(comm, cfg, run_dir, params, opt, log)
-    log.open(to_json(dataclasses.replace(cfg, run_dir=run_dir)))
+    problem = None
+    try:
+        log.open(to_json(dataclasses.replace(cfg, run_dir=run_dir)))
+    except OSError as exc:  # only rank 0 writes, so the others must hear of it before the first step
+        problem = f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc})"
+    agree(comm, problem)
     return _Loop(cfg, comm, spec, data, plan, model, opt, lr, log, xp).run(step, epoch, step_in_epoch, streak)
 
 
@@ -368,7 +373,7 @@ class _Loop:
                 "config": to_json(self.cfg), "train": _finite(self.last_train), "eval": _finite(self.last_eval)}
         try:
             path = save_checkpoint(self.log.checkpoint_dir, step, arrays, meta, keep=self.cfg.keep)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # save_checkpoint turns an OSError into CheckpointError
             # The earlier checkpoints are intact; training can go on, and the
             # next checkpoint may well succeed (a full disk gets cleaned up).
             self.log.warn(f"checkpoint at step {step} not written: {exc}")
