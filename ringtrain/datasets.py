@@ -53,7 +53,7 @@ import zipfile
 import numpy as np
 
 from .data import check_batch_size, complement_positions, eval_batches, shard_bounds
-from .errors import UsageError
+from .errors import MismatchError, UsageError
 from .failure import agree
 
 __all__ = ["DATASETS", "Shard", "load_sharded", "synthetic_rows", "EvalTotals", "sum_eval", "reduce_eval"]
@@ -126,8 +126,9 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
     """Load this rank's shard of a dataset, with errors agreed by every rank.
 
     Collective: every rank of ``comm`` must call it, with the same arguments.
-    It makes three collectives (two :func:`ringtrain.failure.agree` calls and,
-    when the class count is inferred, one allreduce), so a problem found by
+    It makes four collectives (two :func:`ringtrain.failure.agree` calls, an
+    allgather comparing the dataset's shape across ranks and, when the class
+    count is inferred, one allreduce), so a problem found by
     any rank is raised on all of them, before any training collective.
 
     Args:
@@ -166,6 +167,7 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
     except UsageError as exc:
         problem = str(exc)
     agree(comm, problem)
+    _check_same_data(comm, source, name_or_path)
 
     # The counts are the same on every rank, so this verdict is too.
     if batch_size is not None:
@@ -195,6 +197,23 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
                  num_test=source.test.count, num_features=source.num_features, num_classes=int(num_classes),
                  name=str(name_or_path), rank=rank, size=size, train_bounds=train_bounds,
                  test_bounds=test_bounds)
+
+
+def _check_same_data(comm, source, name):
+    """Raise MismatchError on every rank unless every rank sees a dataset of the same shape.
+
+    Ranks that read different files under one name (a data directory that is
+    not shared between hosts, a file copied at different times) would
+    otherwise shard different row counts and train on a silent mix.
+    """
+    mine = (source.train.count, source.test.count, source.num_features, source.num_classes)
+    everyone = comm.allgather(mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            what = ("training rows", "test rows", "features", "classes")
+            i = next(i for i in range(len(mine)) if theirs[i] != everyone[0][i])
+            raise MismatchError(f"ranks disagree on dataset {os.fspath(name)!r}: rank 0 has {everyone[0][i]} "
+                                f"{what[i]}, rank {rank} has {theirs[i]}; every rank must read the same data")
 
 
 def _read_checked(source, part, bounds):
