@@ -8,6 +8,13 @@ still running after ``timeout`` seconds, the thread prints one line naming
 the operation, the step and the awaited rank, and calls ``MPI_Abort``, which
 ends every rank. (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE`` by
 default, so calling Abort from this thread is allowed.)
+
+In a ring every rank waits on its left neighbour, and all of them time out
+at about the same moment; the first to fire is often not the stalled rank's
+neighbour, so its line alone would blame a rank that is itself only waiting.
+Each watchdog therefore waits a short grace period between printing its line
+and aborting: every waiting rank gets its line out, the stalled rank is the
+one that printed none, and its right neighbour's line names it.
 """
 
 import sys
@@ -26,12 +33,17 @@ class Watchdog:
     """Abort the job when an armed operation outlives its deadline.
 
     Use as ``with dog.watch("allreduce", step=12, waiting_on=3): ...``.
-    ``timeout=None`` or a single-rank job makes it a no-op.
+    ``timeout=None`` or a single-rank job makes it a no-op. ``grace`` is the
+    pause between printing the line and aborting (default ``min(2, timeout)``
+    seconds) so that the other ranks that time out print theirs too.
     """
 
-    def __init__(self, comm, timeout, stream=None, clock=time.monotonic, abort=None):
+    def __init__(self, comm, timeout, stream=None, clock=time.monotonic, abort=None, grace=None):
         self._comm = comm
         self._timeout = timeout
+        # Long enough for the other waiting ranks' watchdogs (polling at
+        # timeout/20, at most 1 s) to fire and print; short next to any timeout.
+        self._grace = grace if grace is not None else (min(2.0, timeout) if timeout else 0.0)
         self._stream = stream or sys.stderr
         self._clock = clock
         self._abort = abort or (lambda: comm.Abort(1))
@@ -82,6 +94,7 @@ class Watchdog:
             if armed is not None and self._clock() > armed[0]:
                 self._stream.write(self.message(*armed[1:]) + "\n")
                 self._stream.flush()
+                time.sleep(self._grace)
                 self._abort()
                 return
 
