@@ -1,13 +1,136 @@
-"""``ringtrain plot``: not written yet."""
+"""``ringtrain plot RUN_DIR``: the loss, accuracy and throughput curves of a run, as a PNG.
+
+Reads ``RUN_DIR/metrics.jsonl`` (written by rank 0 during training) and draws
+three panels side by side: loss and accuracy against the step, the train
+windows as lines and the evaluations as markers, and the training throughput
+in samples per second (all ranks together). A resumed run appends to the same
+file, so a step recorded twice keeps its latest record. Needs matplotlib
+(``pip install 'ringtrain[plot]'``); it draws with the Agg backend, so no
+display is needed.
+
+Example::
+
+    ringtrain plot runs/mnist -o figures     # writes figures/metrics.png
+"""
+
+import json
+import os
+import statistics
 
 from ..errors import UsageError
 
-HELP = "(not available yet)"
+__all__ = ["read_metrics", "draw"]
+
+HELP = "draw a run's loss, accuracy and throughput curves to a PNG"
+
+FILENAME = "metrics.png"
 
 
 def add_arguments(parser):
-    pass
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
+    parser.add_argument("-o", "--out-dir", metavar="OUT_DIR",
+                        help=f"where {FILENAME} goes (default: RUN_DIR)")
+
+
+def read_metrics(run_dir):
+    """Return ``{"train": [...], "eval": [...]}``: the events of ``run_dir``, by step, one per step.
+
+    A truncated last line (a run killed mid-write) is skipped; any other line
+    that is not a JSON object is a UsageError naming the line.
+    """
+    if not os.path.isdir(run_dir):
+        raise UsageError(f"{run_dir}: no such run directory")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{run_dir}: no metrics.jsonl there; give the run directory of 'ringtrain train'") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it ({exc.strerror})") from None
+    latest = {"train": {}, "eval": {}}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError
+        except ValueError:
+            if number == len(lines):
+                continue
+            raise UsageError(f"{path} line {number}: not a JSON object: {line[:60]!r}") from None
+        kind = record.get("event")
+        if kind in latest and isinstance(record.get("step"), int):
+            latest[kind][record["step"]] = record
+    return {kind: [by_step[s] for s in sorted(by_step)] for kind, by_step in latest.items()}
+
+
+def _title(run_dir):
+    try:
+        with open(os.path.join(run_dir, "config.json")) as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return os.path.basename(os.path.normpath(run_dir))
+    model = cfg.get("model", "?")
+    if model == "mlp" and cfg.get("hidden"):
+        model += " " + "-".join(map(str, cfg["hidden"]))
+    return f"{cfg.get('dataset', '?')}, {model}, batch {cfg.get('batch_size', '?')} per rank"
+
+
+def draw(metrics, path, title=""):
+    """Draw the three panels of ``metrics`` (from :func:`read_metrics`) to the PNG ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("ringtrain plot needs matplotlib; pip install 'ringtrain[plot]'") from None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+    train, evals = metrics["train"], metrics["eval"]
+    fig, (loss_ax, acc_ax, speed_ax) = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
+    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "accuracy", "accuracy")):
+        if train:
+            ax.plot([r["step"] for r in train], [r[key] for r in train], color="tab:blue", label="train")
+        if evals:
+            ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", color="tab:orange",
+                    markersize=4, label="test")
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if len(train) + len(evals) and all(r["loss"] > 0 for r in train + evals):
+        loss_ax.set_yscale("log")
+    acc_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    speeds = [(r["step"], r["samples_per_sec"]) for r in train
+              if isinstance(r.get("samples_per_sec"), (int, float)) and r["samples_per_sec"] == r["samples_per_sec"]]
+    if speeds:
+        median = statistics.median(s for _, s in speeds)
+        speed_ax.plot(*zip(*speeds), ".-", color="tab:green", label="train")
+        speed_ax.axhline(median, color="gray", linestyle="--", linewidth=1, label=f"median {median:,.0f}")
+        speed_ax.set_ylim(bottom=0)
+        speed_ax.legend()
+    speed_ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    speed_ax.set_title("throughput (samples/s, all ranks)")
+    speed_ax.set_xlabel("step")
+    speed_ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def run(args):
-    raise UsageError("'ringtrain plot' is not available yet", everywhere=True)
+    metrics = read_metrics(args.run_dir)
+    if not metrics["train"] and not metrics["eval"]:
+        raise UsageError(f"{args.run_dir}: metrics.jsonl has no train or eval events to plot yet")
+    out_dir = args.out_dir or args.run_dir
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
+    path = draw(metrics, os.path.join(out_dir, FILENAME), _title(args.run_dir))
+    print(path)
+    return 0

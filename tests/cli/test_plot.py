@@ -1,0 +1,76 @@
+"""``ringtrain plot`` and ``--timeline`` on a real two-rank run."""
+
+import json
+
+import pytest
+
+from mpirun import mpirun, ringtrain as rt, run, show
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short two-rank run with a timeline, shared by the tests here."""
+    run_dir = tmp_path_factory.mktemp("plot") / "run"
+    timeline = run_dir / "timeline.json"
+    result = mpirun(2, rt("train", "--dataset", "digits", "--epochs", "3", "--log-every", "10",
+                          "--run-dir", str(run_dir), "--timeline", str(timeline)), timeout=120)
+    assert result.returncode == 0, show(result)
+    return run_dir, timeline
+
+
+def test_plot_writes_a_png_with_three_panels(trained, tmp_path):
+    run_dir, _ = trained
+    result = run(rt("plot", str(run_dir), "-o", str(tmp_path / "out")), timeout=60)
+    assert result.returncode == 0, show(result)
+    png = tmp_path / "out" / "metrics.png"
+    assert result.stdout.strip() == str(png)
+    from matplotlib import image
+
+    pixels = image.imread(str(png))
+    assert pixels.shape[1] > 2 * pixels.shape[0] > 400  # a wide strip of three panels
+
+
+def test_plot_skips_a_truncated_last_line_and_keeps_the_latest_record_per_step(trained, tmp_path):
+    from ringtrain.commands.plot import read_metrics
+
+    run_dir, _ = trained
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    # A resumed run appends: the second record for a step wins.
+    again = dict(json.loads(next(line for line in lines if '"train"' in line)), loss=123.0)
+    (copy / "metrics.jsonl").write_text("\n".join(lines + [json.dumps(again), '{"event": "tra']) + "\n")
+    metrics = read_metrics(str(copy))
+    steps = [r["step"] for r in metrics["train"]]
+    assert steps == sorted(set(steps)) and metrics["eval"]
+    assert next(r for r in metrics["train"] if r["step"] == again["step"])["loss"] == 123.0
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p / "missing", "no such run directory"),
+    (lambda p: p, "no metrics.jsonl there"),
+    (lambda p: (p / "metrics.jsonl").write_text('not json\n{"event": "train"}\n') and p, "line 1: not a JSON object"),
+    (lambda p: (p / "metrics.jsonl").write_text('{"event": "done"}\n') and p, "no train or eval events"),
+])
+def test_bad_run_dir_is_one_line_exit_2(tmp_path, make, needle):
+    result = run(rt("plot", str(make(tmp_path))), timeout=60)
+    assert result.returncode == 2, show(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], show(result)
+
+
+def test_timeline_is_a_chrome_trace_with_every_phase_on_every_rank(trained):
+    _, timeline = trained
+    trace = json.loads(timeline.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0", "rank 1"}
+    assert all({"name", "pid", "tid", "ts", "dur"} <= set(e) and e["dur"] >= 0 for e in spans)
+    for rank in (0, 1):
+        mine = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"data", "forward+backward", "optimizer"} <= mine, mine
+        assert any(name.startswith("allreduce") for name in mine), mine
+        steps = {e["args"]["step"] for e in spans if e["pid"] == rank and e["name"] == "optimizer"}
+        assert steps == set(range(len(steps)))  # one per step, from step 0
