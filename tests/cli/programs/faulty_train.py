@@ -1,0 +1,106 @@
+"""``ringtrain train`` with one fault injected on one rank, using only the library.
+
+Usage::
+
+    python faulty_train.py FAULT RANK STEP [ringtrain train flags...]
+
+FAULT, on rank RANK only:
+
+* ``none``: no fault (a reference run through the same code path).
+* ``kill``: SIGKILL itself at the start of step STEP.
+* ``sleep``: sleep 120 s in step STEP (a stalled rank).
+* ``raise``: raise RuntimeError in step STEP.
+* ``nan``: a NaN in the input batch of step STEP, so that rank's local
+  gradients are NaN and the reduced ones too.
+* ``nan-from``: the same at every step from STEP on.
+* ``enospc``: the STEP-th checkpoint save (counting from 0) fails with
+  ``OSError(ENOSPC)`` after writing a few bytes. Only rank 0 writes.
+
+Steps count calls of ``loss_and_grad``, so STEP is the trainer's global step
+in a fresh run. Like the CLI, the whole run is under ``abort_on_error``; a
+user error agreed by every rank prints ``rank R: error: ...`` on every rank
+and exits 2. At the end every rank prints ``rank R digest <sha256>`` of its
+parameters.
+"""
+
+import errno
+import os
+import signal
+import sys
+import time
+
+from mpi4py import MPI
+
+import ringtrain.checkpoint
+import ringtrain.trainer
+from ringtrain.cli import build_parser
+from ringtrain.commands.train import config_from_args
+from ringtrain.errors import UsageError
+from ringtrain.failure import abort_on_error
+
+
+class Faulty:
+    """Wrap a model; misbehave at one step. Everything else goes to the wrapped model."""
+
+    def __init__(self, inner, fault, at):
+        self.inner, self.fault, self.at, self.calls = inner, fault, at, 0
+        self.params = inner.params
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def evaluate(self, x, y, *args, **kwargs):
+        return self.inner.evaluate(x, y, *args, **kwargs)
+
+    def loss_and_grad(self, x, y, on_grad=None):
+        step, self.calls = self.calls, self.calls + 1
+        if step == self.at or (self.fault == "nan-from" and step >= self.at):
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.fault == "sleep":
+                time.sleep(120)
+            elif self.fault == "raise":
+                raise RuntimeError(f"injected fault at step {step}")
+            elif self.fault in ("nan", "nan-from"):
+                # In the input, not the returned gradients: with overlap the
+                # gradients are reduced inside backward, before we could touch them.
+                x = x.copy()
+                x[0, 0] = float("nan")
+        return self.inner.loss_and_grad(x, y, on_grad=on_grad)
+
+
+def install(fault, at):
+    if fault == "enospc":
+        write, saves = ringtrain.checkpoint._write_npz, [0]
+
+        def failing_write(fileobj, arrays, meta):
+            saves[0] += 1
+            if saves[0] - 1 == at:
+                fileobj.write(b"PK\x03\x04" + bytes(4096))  # a partial file, as a full disk leaves
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return write(fileobj, arrays, meta)
+
+        ringtrain.checkpoint._write_npz = failing_write
+    elif fault != "none":
+        build = ringtrain.trainer.build_model
+        ringtrain.trainer.build_model = lambda *a, **kw: Faulty(build(*a, **kw), fault, at)
+
+
+def main(argv):
+    fault, rank, at, flags = argv[0], int(argv[1]), int(argv[2]), argv[3:]
+    comm = MPI.COMM_WORLD
+    try:
+        with abort_on_error(comm):
+            if comm.Get_rank() == rank:
+                install(fault, at)
+            cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+            result = ringtrain.trainer.train(cfg, comm)
+            print(f"rank {comm.Get_rank()} digest {ringtrain.trainer.params_digest(result.params)}", flush=True)
+    except UsageError as exc:
+        print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
