@@ -8,7 +8,11 @@ import json
 import os
 import sys
 
-from mpirun import ROOT, ringtrain, show
+import numpy as np
+import pytest
+
+from mpirun import ROOT, mpirun, ringtrain, show
+from ringtrain import load_checkpoint
 from netns import cluster  # noqa: F401  (the module-scope fixture)
 
 PROGRAM = os.path.join(ROOT, "tests", "cli", "programs", "allreduce_across_hosts.py")
@@ -61,3 +65,45 @@ def test_exit_status_of_a_remote_rank_reaches_the_launcher(cluster):  # noqa: F8
     command = ["sh", "-c", 'if [ "$(hostname)" = h2 ]; then exit 3; fi']
     result = cluster.run(4, command, timeout=90)
     assert result.returncode == 3, show(result)
+
+
+def test_hierarchical_allreduce_across_hosts_matches_mpi_and_only_leaders_cross(cluster):  # noqa: F811
+    n = 1 << 18  # 2 MiB of float64 per rank
+    before = {h: cluster.iface_bytes(h) for h in cluster.names}
+    result = cluster.run(4, [sys.executable, PROGRAM, str(n), "hierarchical"], timeout=90)
+    after = {h: cluster.iface_bytes(h) for h in cluster.names}
+    assert result.returncode == 0, show(result)
+    report = json.loads(result.stdout)
+    assert [r["host"] for r in report["ranks"]] == ["h1", "h1", "h2", "h2"]
+    for r in report["ranks"]:
+        assert r["error"] <= 1e-12 * max(1.0, report["scale"]), r
+    assert len({r["digest"] for r in report["ranks"]}) == 1, "ranks hold different results"
+    # Only the two leaders exchange data: each host receives the vector once
+    # (half in the reduce-scatter, half in the allgather), plus MPI's own
+    # Allreduce of the reference, where the flat ring's 4-rank loop would
+    # bring in 1.5 vectors on top of that.
+    for host in cluster.names:
+        received = after[host][0] - before[host][0]
+        assert n * 8 < received < (2 + 0.3) * n * 8, f"{host} received {received} bytes"
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_training_across_hosts_ends_like_the_same_run_on_one_host(cluster, tmp_path, algorithm):  # noqa: F811
+    # The run directories are on the filesystem every namespace shares; only rank 0 writes.
+    args = ["train", "--dataset", "digits", "--epochs", "2", "--hidden", "32", "--seed", "5",
+            "--allreduce", algorithm]
+    across = cluster.run(4, ringtrain(*args, "--run-dir", str(tmp_path / "across")), timeout=180)
+    assert across.returncode == 0, show(across)
+    here = mpirun(4, ringtrain(*args, "--run-dir", str(tmp_path / "here")), timeout=180)
+    assert here.returncode == 0, show(here)
+    got, got_meta = load_checkpoint(str(tmp_path / "across"))
+    want, want_meta = load_checkpoint(str(tmp_path / "here"))
+    assert got_meta["step"] == want_meta["step"] > 0 and got_meta["world_size"] == 4
+    assert sorted(got) == sorted(want)
+    if algorithm == "ring":
+        # The ring's order of additions does not depend on where ranks run: bitwise equal.
+        assert all(got[k].tobytes() == want[k].tobytes() for k in want), "parameters differ"
+    else:
+        # Two hosts of two ranks add in another order than one host of four: equal to rounding.
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)

@@ -1,8 +1,11 @@
-"""Sum an array across every rank with ringtrain's ring; print one JSON line from rank 0.
+"""Sum an array across every rank with ringtrain's allreduce; print one JSON line from rank 0.
 
-The reference is MPI's own Allreduce of the same data.
+Usage: allreduce_across_hosts.py [N [ALGORITHM]] (default ring). The reference
+is MPI's own Allreduce of the same data; each rank also reports a digest of
+its result, which must be the same everywhere.
 """
 
+import hashlib
 import json
 import socket
 import sys
@@ -17,8 +20,10 @@ n = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 18
 x = np.random.default_rng(comm.rank).standard_normal(n)
 reference = np.empty_like(x)
 comm.Allreduce(x, reference, op=MPI.SUM)
-result = allreduce(x, op="sum", comm=comm, algorithm="ring")
+algorithm = sys.argv[2] if len(sys.argv) > 2 else "ring"
+result = allreduce(x, op="sum", comm=comm, algorithm=algorithm)
 error = float(np.max(np.abs(result - reference)))
-results = comm.gather({"rank": comm.rank, "host": socket.gethostname(), "error": error}, root=0)
+results = comm.gather({"rank": comm.rank, "host": socket.gethostname(), "error": error,
+                       "digest": hashlib.sha256(result.tobytes()).hexdigest()}, root=0)
 if comm.rank == 0:
     print(json.dumps({"ranks": results, "scale": float(np.max(np.abs(reference)))}))
