@@ -80,6 +80,7 @@ def test_missing_and_wrong_kind_config(tmp_path):
     ({"hidden": ()}, "--hidden: the mlp needs at least one hidden layer"),
     ({"hidden": (0,)}, "--hidden: layer sizes must be > 0"),
     ({"optimizer": "rmsprop"}, "choose one of sgd, adam"),
+    ({"allreduce": "tree"}, "--allreduce: unknown value 'tree'; choose one of auto, ring, mpi, hierarchical"),
     ({"test_fraction": 1.5}, "--test-fraction: must be between 0 and 1"),
     ({"resume": "/no/such/ckpt.npz"}, "--resume: no checkpoint at"),
     ({"classes": 1}, "--classes: must be at least 2"),
