@@ -1,0 +1,103 @@
+"""Averaging a PyTorch module's CPU gradients with ringtrain, without copying them.
+
+``torch.Tensor.numpy()`` on a CPU tensor is a view of the same memory, so
+ringtrain's collectives can reduce the gradients where PyTorch keeps them.
+torch is optional: it is imported only by the functions that need it.
+
+Collective: every rank must call :func:`average_gradients_` after the same
+backward, for modules of the same architecture, in the same order as every
+other ringtrain collective.
+
+Example (five calls, as in Horovod's examples)::
+
+    model = torch.nn.Sequential(...)
+    broadcast_parameters_(model)                 # every replica starts from rank 0's weights
+    bucket_view_(model)                          # optional: grads in one flat buffer, no fusion copies
+    for x, y in batches:
+        opt.zero_grad(set_to_none=False)         # keep the gradient tensors (and the bucket view)
+        loss_fn(model(x), y).backward()
+        average_gradients_(model)                # in place, every rank the same
+        opt.step()
+"""
+
+from .collectives import allreduce_, allreduce_many_, broadcast_
+
+__all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays"]
+
+
+def _numpy(tensor, what):
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what} is on {tensor.device}; ringtrain.interop averages CPU tensors only")
+    return tensor.detach().numpy()
+
+
+def gradient_arrays(module):
+    """Zero-copy NumPy views of the module's gradients, in ``parameters()`` order (None skipped)."""
+    return [_numpy(p.grad, "a gradient") for p in module.parameters() if p.grad is not None]
+
+
+def bucket_view_(module):
+    """Give every parameter a zeroed gradient that is a view into one flat tensor; return that tensor.
+
+    Like DDP's ``gradient_as_bucket_view``: backward accumulates into the
+    views in place, and :func:`average_gradients_` then reduces the whole
+    flat buffer with one call and no copies. ``zero_grad(set_to_none=True)``
+    (PyTorch's default) drops the views; use ``set_to_none=False``, or call
+    this again.
+    """
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the module has no parameters that require gradients")
+    dtype = params[0].dtype
+    if any(p.dtype != dtype for p in params) or any(p.device.type != "cpu" for p in params):
+        raise ValueError("bucket_view_ needs CPU parameters of one dtype")
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+def _one_buffer(tensors):
+    """A flat NumPy view of the memory the tensors tile back to back, in order, or None."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    address = first.data_ptr()
+    for t in tensors:
+        if (t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != address):
+            return None
+        address += t.numel() * t.element_size()
+    total = sum(t.numel() for t in tensors)
+    # One 1-D view over the same storage (as_strided is checked against the storage's size).
+    return first.detach().as_strided((total,), (1,), first.storage_offset()).numpy()
+
+
+def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
+    """Average the module's gradients across the ranks of ``comm``, in place; collective.
+
+    Gradients laid out back to back (see :func:`bucket_view_`) go as one
+    in-place allreduce; otherwise :func:`ringtrain.allreduce_many_` fuses
+    them. Parameters without a gradient are skipped, so every rank must
+    have gradients for the same parameters.
+
+    Returns:
+        ``module``.
+    """
+    tensors = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = _one_buffer(tensors) if tensors else None
+    if flat is not None:
+        allreduce_(flat, op=op, comm=comm)
+    else:
+        allreduce_many_([_numpy(t, "a gradient") for t in tensors], op=op, comm=comm, bucket_bytes=bucket_bytes)
+    return module
+
+
+def broadcast_parameters_(module, root=0, comm=None):
+    """Overwrite every parameter and buffer with ``root``'s, in place; collective."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        broadcast_(_numpy(tensor, "a parameter"), root=root, comm=comm)
+    return module
