@@ -318,6 +318,8 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
         raise UsageError("give --hostfile or -H, not both")
     if _inside_mpi_job(os.environ):
         raise UsageError("ringtrain launch starts mpirun itself; run it without mpirun")
+    if mpirun is not None and not (os.path.isfile(mpirun) and os.access(mpirun, os.X_OK)):
+        raise UsageError(f"--mpirun {mpirun}: no such executable file")
     mpirun = mpirun or find_mpirun()
     if mpirun is None or not os.access(mpirun, os.X_OK):
         raise UsageError("mpirun not found; install ringtrain[mpich] or an MPI runtime, or pass --mpirun")
