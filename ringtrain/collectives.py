@@ -37,6 +37,7 @@ go to MPI directly; otherwise they are staged through reused pinned host
 buffers and reduced on the host.
 """
 
+import functools
 import operator
 import struct
 
@@ -164,6 +165,9 @@ class _CommState:
         # of a 4 KiB call, so packed headers and buffer views are made once.
         self._packed = {}
         self._views = {}
+        # Steady-state plans for small CPU calls at 2 ranks (see _PairPlan),
+        # keyed on everything the header says; None where no plan applies.
+        self.plans = {}
 
     @classmethod
     def of(cls, comm):
@@ -242,7 +246,7 @@ class _CommState:
             if kind == "send":
                 comm.Send(message, peer, _TAG)
                 comm.Recv(heard, peer, _TAG)
-                agreed = received == mine
+                agreed = received.tobytes() == mine
                 if agreed and payload is not None:
                     out[...] = theirs
                 return self._verdict(agreed, self.recv_header)
@@ -253,7 +257,7 @@ class _CommState:
                 comm.Sendrecv(message, peer, _TAG, heard, peer, _TAG)
             else:
                 comm.Recv(heard, peer, _TAG)
-            if received != mine:
+            if received.tobytes() != mine:
                 agreed = False
                 np.minimum(self.send_header, self.recv_header, out=self.send_header)
             if agreed and payload is not None:
@@ -273,6 +277,99 @@ class _CommState:
             return None
         values = header.tolist()
         return values[:_K], [-v for v in values[_K:]]
+
+
+class _PairPlan:
+    """A small CPU call between exactly two ranks, prepared once and replayed.
+
+    The latency-bound case is dominated by Python, not by the wire: MPI's own
+    ``Allreduce`` of 4 KiB takes about 5 us here, and every microsecond of
+    argument parsing, header packing and view making shows. A plan holds a
+    preallocated message whose header is already written, the received
+    payload's view and the operands in rank order, so a repeated call is one
+    copy in, one ``Sendrecv``, a 128-byte comparison of the header heard
+    against our own, and one combine written straight into ``x``. Any
+    strides work: the copy in and the combine's ``out=`` both take them.
+
+    The check is the same as :meth:`_CommState.exchange`'s: the receive
+    buffer has room for any header plus the largest small payload, so a
+    disagreeing peer cannot truncate, overrun or hang the call, and both
+    ranks see the disagreement because each compares the other's header.
+    """
+
+    __slots__ = ("who", "header", "mine", "payload", "operands", "message", "heard", "received",
+                 "sendrecv", "peer", "combine", "predivide", "divide_after", "two", "recv_header", "send_header")
+
+    def __init__(self, state, who, header, dtype, shape, op):
+        count, nbytes = header[3], header[3] * dtype.itemsize
+        send = np.empty(_HEADER_BYTES + nbytes, np.uint8)
+        self.send_header = send[:_HEADER_BYTES].view(np.int64)
+        self.send_header[:] = header + tuple(-v for v in header)
+        self.who, self.header = who, header
+        self.mine = send[:_HEADER_BYTES].tobytes()
+        self.payload = send[_HEADER_BYTES:].view(dtype).reshape(shape)
+        theirs = state.recv[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).reshape(shape)
+        self.peer = 1 - state.rank
+        # The lower rank's operand first, as everywhere else: both ranks compute bitwise the same.
+        self.operands = (self.payload, theirs) if state.rank == 0 else (theirs, self.payload)
+        self.message = [send, state.MPI.BYTE]
+        self.heard = state._heard
+        self.received = state.recv_bytes[:_HEADER_BYTES]
+        self.recv_header = state.recv_header
+        self.sendrecv = state.comm.Sendrecv
+        combine = _COMBINE[op]
+        if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
+            combine = functools.partial(_combine_out, combine)
+        self.combine = combine
+        # float16 sums overflow easily: divide first, as _reduce_flat does.
+        self.predivide = op == "mean" and dtype == np.float16
+        self.divide_after = op == "mean" and not self.predivide
+        self.two = dtype.type(2)  # the rank count as a scalar of x's dtype: no conversion per call
+        assert count == self.payload.size
+
+    def run(self, x):
+        """Reduce ``x`` (a NumPy array of the planned dtype and shape) in place; return it."""
+        # Positional out= and slice assignment: each ~0.3 us cheaper than the keyword and np.copyto.
+        payload = self.payload
+        payload[...] = x
+        if self.predivide:
+            np.divide(payload, self.two, payload)
+        self.sendrecv(self.message, self.peer, _TAG, self.heard, self.peer, _TAG)
+        # tobytes() then compare: 40 ns; comparing memoryviews goes element by element (400 ns).
+        if self.received.tobytes() != self.mine:
+            lowest = np.minimum(self.send_header, self.recv_header).tolist()
+            _raise_mismatch(self.who, self.header, (lowest[:_K], [-v for v in lowest[_K:]]), None)
+        a, b = self.operands
+        self.combine(a, b, x)
+        if self.divide_after:
+            np.divide(x, self.two, x)
+        return x
+
+
+def _pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
+    """The :class:`_PairPlan` for this call, made on first use; None where the general path must run."""
+    key = (who, x.dtype, x.shape, op, algorithm, narrays, signature)
+    plans = state.plans
+    plan = plans.get(key, _NO_PLAN)
+    if plan is _NO_PLAN:
+        if len(plans) > 256:  # bounded: training loops repeat a few shapes
+            plans.clear()
+        dtype = np.dtype(x.dtype)
+        plan = None
+        if (state.size == 2 and type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
+                and op in _OP_CODE and dtype in _DTYPE_CODE and not (op == "mean" and dtype.kind != "f")):
+            header = (0, narrays, _DTYPE_CODE[dtype], x.size, _OP_CODE[op], _ALGORITHM_CODE[algorithm], 0,
+                      signature)
+            plan = _PairPlan(state, who, header, dtype, x.shape, op)
+        plans[key] = plan
+    return plan
+
+
+_NO_PLAN = object()
+
+
+def _combine_out(combine, a, b, out):
+    return combine(a, b, out=out)
 
 
 def _describe(field, value):
@@ -339,6 +436,10 @@ def _reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, proble
     # float16 sums overflow easily: divide first (as PyTorch DDP does) for fp16 only;
     # wider floats divide last, which is more accurate.
     predivide = code == 0 and op == "mean" and dtype == np.float16
+    if small and not gpu and state.size == 2:
+        plan = _pair_plan(state, who, flat, op, algorithm, narrays, signature)
+        if plan is not None:
+            return plan.run(flat)
     if small:
         payload = state.views(dtype, flat.size)[0]
         if gpu:
@@ -413,12 +514,25 @@ def _reduce_gpu(state, flat, op, algorithm, predivide):
     backend.synchronize(flat)
 
 
+_recent = (None, None)  # (comm, state) of the latest call; a tuple, so swapping it is atomic
+
+
 def _state(comm):
+    # Comm.Get_attr costs about half a microsecond, a tenth of a 4 KiB call:
+    # repeated calls on one communicator skip it.
+    global _recent
+    recent = _recent
+    if comm is recent[0] and comm is not None:
+        return recent[1]
     if comm is None:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-    return _CommState.of(comm)
+        if comm is recent[0]:
+            return recent[1]
+    state = _CommState.of(comm)
+    _recent = (comm, state)
+    return state
 
 
 def _writeable(x):
@@ -461,6 +575,10 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
         UsageError: on every rank, when any rank's arguments are unusable.
     """
     state = _state(comm)
+    if state.size == 2 and type(x) is np.ndarray and x.flags.writeable:
+        plan = _pair_plan(state, "allreduce_", x, op, algorithm)
+        if plan is not None:
+            return plan.run(x)
     flat = _flat_view(x)
     problem = (0, None)
     if not _writeable(x):
