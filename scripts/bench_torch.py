@@ -1,0 +1,262 @@
+"""Head-to-head on the CPU: the same MLP trained with DDP (gloo), Horovod and ringtrain.
+
+    python scripts/bench_torch.py                  # every contestant at 1 and 2 ranks, 3 repeats
+    python scripts/bench_torch.py --repeats 5 --ranks 1,2
+
+The model is PyTorch's 784-512-512-10 MLP (ReLU, cross-entropy, SGD with
+momentum) on ``mnist5k`` from :func:`ringtrain.datasets.load_sharded`, batch 64
+per rank, one thread per rank (``torch.set_num_threads(1)``,
+``OMP_NUM_THREADS=1``). Contestants:
+
+* ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` over gloo
+  (``gradient_as_bucket_view=True``), its process group started from the
+  MPI rank and size with ``MASTER_ADDR=127.0.0.1``.
+* ``horovod``: ``hvd.DistributedOptimizer`` (opt-in: measured only if
+  ``import horovod.torch`` works; otherwise the table says "horovod not
+  installed").
+* ``ringtrain-torch``: the same torch model, its gradients averaged by
+  :func:`ringtrain.interop.average_gradients_` through zero-copy NumPy views
+  of the CPU tensors (one flat buffer, :func:`ringtrain.interop.bucket_view_`).
+* ``ringtrain-numpy``: ringtrain's own NumPy MLP with the same sizes, its
+  gradients averaged as ``ringtrain train`` does.
+
+Each contestant runs under ``mpirun -np N`` (interleaved over repeats so that
+background load hits all alike). In each process, blocks of 20 steps
+alternate between the real data-parallel step and the same step without any
+communication; ``comm share = 1 - compute-only step time / step time`` is the
+part of a step spent communicating or waiting for the other rank.
+samples/s = ranks x 64 / median step time; scaling efficiency = samples/s at
+N ranks / (N x samples/s at 1 rank). Figures are medians over repeats.
+
+Horovod (optional, about 5 minutes to build on 2 cores; never in CI).
+Horovod 0.28.1 does not build against torch 2.13 as released: its C++ must be
+compiled as C++17. Recipe::
+
+    pip download --no-deps --no-binary :all: horovod==0.28.1 && tar xzf horovod-0.28.1.tar.gz
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \\
+        horovod-0.28.1/CMakeLists.txt horovod-0.28.1/horovod/torch/CMakeLists.txt
+    HOROVOD_WITH_MPI=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 \\
+        HOROVOD_WITHOUT_MXNET=1 pip install --no-build-isolation ./horovod-0.28.1
+
+Run it under plain ``mpirun`` (this script does); keep torch at 2.13.0+cpu.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+CONTESTANTS = ("ddp-gloo", "horovod", "ringtrain-torch", "ringtrain-numpy")
+SIZES = (784, 512, 512, 10)
+BATCH, LR, MOMENTUM = 64, 0.05, 0.9
+BLOCK = 20  # steps per timed block
+
+
+# -- one worker (inside mpirun) ------------------------------------------------
+
+def _torch_model():
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(SIZES, SIZES[1:])):
+        layers.append(torch.nn.Linear(fan_in, fan_out))
+        if i < len(SIZES) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _steps(contestant, comm, data, plan):
+    """Return ``step(rows, communicate)`` for one contestant."""
+    if contestant == "ringtrain-numpy":
+        from ringtrain import allreduce_, broadcast_, build_model, build_optimizer
+
+        model = build_model("mlp", SIZES[0], SIZES[-1], hidden=SIZES[1:-1], seed=0)
+        opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0)
+        for p in model.params.values():
+            broadcast_(p, comm=comm)
+
+        def step(rows, communicate):
+            _, grads, _ = model.loss_and_grad(data.x[rows], data.y[rows])
+            if communicate:
+                allreduce_(model.grad_buffer, op="mean", comm=comm)  # the grads are views into it
+            opt.step(model.params, grads, LR)
+
+        return step
+
+    import torch
+
+    torch.set_num_threads(1)
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    model = _torch_model()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    local = model
+    if contestant == "ddp-gloo":
+        import torch.distributed as dist
+
+        port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+        model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if contestant == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        plain_opt = opt
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    if contestant == "ringtrain-torch":
+        from ringtrain.interop import average_gradients_, broadcast_parameters_, bucket_view_
+
+        broadcast_parameters_(model, comm=comm)
+        bucket_view_(model)
+
+    def step(rows, communicate):
+        index = torch.from_numpy(rows)
+        xb, yb = x[index], y[index]
+        if contestant == "ddp-gloo" and not communicate:
+            with model.no_sync():  # DDP's own switch for "no allreduce this step"
+                opt.zero_grad(set_to_none=False)
+                loss_fn(model(xb), yb).backward()
+            opt.step()
+            return
+        if contestant == "horovod" and not communicate:
+            plain_opt.zero_grad(set_to_none=False)
+            loss_fn(local(xb), yb).backward()
+            plain_opt.step()
+            return
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(xb), yb).backward()
+        if contestant == "ringtrain-torch" and communicate:
+            average_gradients_(model, comm=comm)
+        opt.step()
+
+    return step
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(contestant, blocks):
+    from mpi4py import MPI
+
+    from ringtrain.data import EpochPlan
+    from ringtrain.datasets import load_sharded
+
+    comm = MPI.COMM_WORLD
+    data = load_sharded("mnist5k", comm, seed=0)
+    plan = EpochPlan.for_shard(data, comm, batch_size=BATCH, seed=0)
+    step = _steps(contestant, comm, data, plan)
+    batches = ((e, i) for e in range(10 ** 6) for i in range(plan.steps_per_epoch))
+
+    def block(communicate):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(BLOCK):
+            step(plan.batch_indices(*next(batches)), communicate)
+        comm.Barrier()  # both ranks' blocks end together: time the slower one
+        return (time.perf_counter() - start) / BLOCK
+
+    block(True), block(False)  # warm-up: buffers, process group, caches
+    real, alone = [], []
+    for _ in range(blocks):
+        real.append(block(True))
+        alone.append(block(False))
+    result = {"step": statistics.median(real), "compute": statistics.median(alone),
+              "ranks": comm.Get_size()}
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+# -- the driver ----------------------------------------------------------------
+
+def _available(contestant):
+    module = {"ddp-gloo": "torch.distributed", "horovod": "horovod.torch", "ringtrain-torch": "torch"}.get(contestant)
+    if module is None:
+        return True
+    probe = f"import {module}"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def launch(contestant, ranks, blocks):
+    from ringtrain.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
+
+    env = mpi_env(detect_flavour(find_mpirun()))
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    command = [sys.executable, os.path.abspath(__file__), "--worker", contestant, "--blocks", str(blocks)]
+    done = subprocess.run(mpirun_command(ranks, command), env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        sys.exit(f"bench_torch: {contestant} at {ranks} rank(s) failed (exit {done.returncode}):\n"
+                 f"{done.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def table(results, ranks, missing):
+    lines = [f"{'contestant':<16} {'ranks':>5} {'samples/s':>10} {'step ms':>8} {'comm share':>10} "
+             f"{'scaling':>8}"]
+    for contestant in CONTESTANTS:
+        if contestant in missing:
+            lines.append(f"{contestant:<16} {missing[contestant]}")
+            continue
+        base = None
+        for n in ranks:
+            runs = results[(contestant, n)]
+            step = statistics.median(r["step"] for r in runs)
+            compute = statistics.median(r["compute"] for r in runs)
+            speed = n * BATCH / step
+            base = speed if n == 1 else base
+            scaling = f"{speed / (n * base):.0%}" if base and n > 1 else "-"
+            share = max(0.0, 1 - compute / step) if n > 1 else 0.0
+            lines.append(f"{contestant:<16} {n:>5} {speed:>10,.0f} {step * 1e3:>8.2f} {share:>10.0%} "
+                         f"{scaling:>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="launches per contestant and size (default 3)")
+    parser.add_argument("--blocks", type=int, default=5, help=f"timed blocks of {BLOCK} steps per launch")
+    parser.add_argument("--ranks", default="1,2", help="rank counts (default 1,2)")
+    parser.add_argument("--only", default=",".join(CONTESTANTS), help="comma-separated contestants")
+    parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
+    parser.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.blocks)
+        return 0
+    ranks = [int(n) for n in args.ranks.split(",")]
+    chosen = [c for c in CONTESTANTS if c in args.only.split(",")]
+    missing = {c: "not selected" for c in CONTESTANTS if c not in chosen}
+    for c in chosen:
+        if not _available(c):
+            missing[c] = "horovod not installed" if c == "horovod" else "torch not installed"
+    running = [c for c in chosen if c not in missing]
+    load = os.getloadavg()[0]
+    results = {(c, n): [] for c in running for n in ranks}
+    for _ in range(args.repeats):
+        for n in ranks:
+            for c in running:
+                results[(c, n)].append(launch(c, n, args.blocks))
+    print(f"MLP {'-'.join(map(str, SIZES))}, mnist5k, batch {BATCH} per rank, 1 thread per rank, "
+          f"medians of {args.repeats} launches x {args.blocks} blocks of {BLOCK} steps")
+    print(table(results, ranks, missing))
+    print(f"load average: {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+    if args.json:
+        print(json.dumps({f"{c}@{n}": v for (c, n), v in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
