@@ -102,9 +102,11 @@ def coerce(name, value, source):
         raise UsageError(f"{source}: unknown setting {name!r}{hint}", everywhere=True)
     field = FIELDS[name]
     kind = _type_name(field)
-    if value is None:
-        return None
     bad = UsageError(f"{source}: setting {name!r} must be {kind}, got {value!r}", everywhere=True)
+    if value is None:
+        if field.default is None:  # an optional setting (run_dir, max_steps, ...): null means unset
+            return None
+        raise bad
     if kind == "ints":
         return parse_ints(value, name)
     if kind == "bool":
