@@ -48,6 +48,7 @@ def make_inputs(tmp):
     text("syntax.yaml", "epochs: [1,\n")
     text("list.yaml", "- 1\n- 2\n")
     text("bool.yaml", "scale_lr: maybe\n")
+    text("null.yaml", "classes: null\n")
     text("slots.hosts", "node1 slots=x\n")
     text("zero.hosts", "node1:0\n")
     text("comments.hosts", "# nobody here\n\n")
@@ -103,6 +104,7 @@ CASES = [
     ("yaml-syntax", train("--config", "{tmp}/syntax.yaml"), "syntax.yaml: not valid YAML: "),
     ("yaml-not-a-table", train("--config", "{tmp}/list.yaml"), "expected a table of settings, got list"),
     ("yaml-not-a-bool", train("--config", "{tmp}/bool.yaml"), "setting 'scale_lr' must be bool, got 'maybe'"),
+    ("yaml-null", train("--config", "{tmp}/null.yaml"), "setting 'classes' must be int, got None"),
     # hostfiles and the launcher
     ("hostfile-missing", launch("{tmp}/nope.hosts"), "cannot read hostfile"),
     ("hostfile-bad-slots", launch("{tmp}/slots.hosts"),
