@@ -217,6 +217,7 @@ class _Loop:
         self.cfg, self.comm, self.spec, self.data, self.plan = cfg, comm, spec, data, plan
         self.model, self.opt, self.base_lr, self.log, self.xp = model, opt, lr, log, xp
         self.params = model.params
+        self.grad_slices = _grad_slices(model, int(cfg.bucket_mb * 2**20))
         self.dog = Watchdog(comm, cfg.timeout)
         self.left = left_neighbour(comm.Get_rank(), comm.Get_size())
         self.timeline = Timeline(comm.Get_rank(), enabled=cfg.timeline is not None)
@@ -237,11 +238,12 @@ class _Loop:
         with tl.span("forward+backward", step):
             loss, grads, correct = self.model.loss_and_grad(xb, yb)
         with tl.span("allreduce", step), self.dog.watch("gradient allreduce", step, self.left):
-            allreduce_many_(list(grads.values()), op="mean", comm=self.comm,
+            arrays = self.grad_slices or list(grads.values())
+            allreduce_many_(arrays, op="mean", comm=self.comm,
                             bucket_bytes=int(cfg.bucket_mb * 2**20), algorithm=cfg.allreduce)
         # The reduced gradients are bitwise equal on every rank, so this
         # decision is the same everywhere without another collective.
-        finite = all(bool(xp.isfinite(g).all()) for g in grads.values())
+        finite = all(bool(xp.isfinite(g).all()) for g in arrays)
         if finite:
             with tl.span("optimizer", step):
                 lr = learning_rate(step, self.base_lr, warmup_steps=cfg.warmup_steps)
@@ -292,12 +294,13 @@ class _Loop:
                 if window_steps:
                     self._train_event(step, epoch, window, time.perf_counter() - window_start)
                     window[:] = 0
-                    window_start, window_steps = time.perf_counter(), 0
                 if cfg.eval_every and epoch % cfg.eval_every == 0 and stopped == "done" and epoch < cfg.epochs:
                     self._evaluate(step, epoch)
                 self._epoch_line(epoch, epoch_sums, time.perf_counter() - epoch_start)
                 if epoch < cfg.epochs and stopped == "done":
                     self._checkpoint(step, epoch, index, streak)
+                # Evaluation and checkpoints are not training: the next window starts here.
+                window_start, window_steps = time.perf_counter(), 0
         if bar is not None:
             bar.close()
         self._evaluate(step, epoch)
@@ -398,6 +401,21 @@ class _Loop:
 
 
 _STOP_REASONS = {1: "max_steps", 2: "max_time"}
+
+
+def _grad_slices(model, bucket_bytes):
+    """Bucket-sized slices of the model's flat ``grad_buffer``, or None if it has none.
+
+    A model whose gradients are views into one flat buffer (like
+    :class:`ringtrain.models.MLP`) is reduced a slice at a time, in place:
+    ``allreduce_many_`` on the separate gradients would copy them into a
+    fusion buffer and back, which costs about as much as the ring itself.
+    """
+    buffer = getattr(model, "grad_buffer", None)
+    if buffer is None or buffer.ndim != 1 or buffer.size != sum(int(p.size) for p in model.params.values()):
+        return None
+    per = max(1, bucket_bytes // buffer.itemsize)
+    return [buffer[start:start + per] for start in range(0, buffer.size, per)]
 
 
 def _finite(record):
