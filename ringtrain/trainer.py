@@ -2,8 +2,10 @@
 
 Synchronisation points: :func:`train` is collective. Every rank of ``comm``
 must call it with the same configuration; each step makes, in this order on
-every rank, one fused gradient allreduce and one small metrics allreduce,
-plus a digest allgather at every checkpoint and at the end. Rank 0 is the
+every rank, the gradient allreduce (one call per fusion bucket; with
+``overlap``, started from backward's ``on_grad`` on the Reducer's own
+duplicate communicator and finished before the optimizer step) and one small
+metrics allreduce, plus a digest allgather at every checkpoint and at the end. Rank 0 is the
 master: it alone prints, writes the run directory and writes checkpoints; on
 resume it reads the checkpoint and broadcasts it.
 """
@@ -18,7 +20,7 @@ import numpy as np
 
 from . import backend
 from .checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
-from .collectives import allreduce_many_, broadcast_
+from .collectives import allreduce_many_, broadcast_, plan_buckets
 from .config import MUST_MATCH, to_json, validate
 from .data import EpochPlan
 from .datasets import load_sharded, reduce_eval
@@ -26,6 +28,7 @@ from .errors import MismatchError, UsageError
 from .failure import agree
 from .models import build_model
 from .optim import build_optimizer, learning_rate, scaled_lr
+from .overlap import Reducer
 from .runlog import RunLog, default_run_dir
 from .timeline import Timeline
 from .topology import TaskSpec
@@ -217,7 +220,16 @@ class _Loop:
         self.cfg, self.comm, self.spec, self.data, self.plan = cfg, comm, spec, data, plan
         self.model, self.opt, self.base_lr, self.log, self.xp = model, opt, lr, log, xp
         self.params = model.params
-        self.grad_slices = _grad_slices(model, int(cfg.bucket_mb * 2**20))
+        self.bucket_bytes = int(cfg.bucket_mb * 2**20)
+        self.compression = "fp16" if cfg.fp16_allreduce else None
+        self.grad_slices = _grad_slices(model, self.bucket_bytes)
+        self.reducer = None
+        if cfg.overlap:
+            # Registered in the order backward delivers them, so buckets fill early;
+            # the MLP's own gradient buffers are reduced in place.
+            grads = getattr(model, "grads", None) or {n: xp.zeros_like(p) for n, p in self.params.items()}
+            self.reducer = Reducer(comm, {n: grads[n] for n in reversed(self.params)}, self.bucket_bytes,
+                                   op="mean", compression=self.compression, algorithm=cfg.allreduce)
         self.dog = Watchdog(comm, cfg.timeout)
         self.left = left_neighbour(comm.Get_rank(), comm.Get_size())
         self.timeline = Timeline(comm.Get_rank(), enabled=cfg.timeline is not None)
@@ -235,12 +247,31 @@ class _Loop:
         with tl.span("data", step):
             xb = xp.asarray(self.data.x[rows])
             yb = xp.asarray(self.data.y[rows])
-        with tl.span("forward+backward", step):
-            loss, grads, correct = self.model.loss_and_grad(xb, yb)
-        with tl.span("allreduce", step), self.dog.watch("gradient allreduce", step, self.left):
-            arrays = self.grad_slices or list(grads.values())
-            allreduce_many_(arrays, op="mean", comm=self.comm,
-                            bucket_bytes=int(cfg.bucket_mb * 2**20), algorithm=cfg.allreduce)
+        if self.reducer is not None:
+            # Each gradient goes to the reducer as backward finishes it; its
+            # bucket is reduced on the communication thread meanwhile.
+            pushed = set()
+
+            def on_grad(name, grad):
+                pushed.add(name)
+                self.reducer.push(name, grad)
+
+            with tl.span("forward+backward", step), self.dog.watch("backward with gradient allreduce", step,
+                                                                    self.left):
+                loss, grads, correct = self.model.loss_and_grad(xb, yb, on_grad=on_grad)
+            with tl.span("allreduce wait", step), self.dog.watch("gradient allreduce", step, self.left):
+                for name in reversed(grads):  # a model that skipped on_grad for some
+                    if name not in pushed:
+                        self.reducer.push(name, grads[name])
+                self.reducer.wait()
+        else:
+            with tl.span("forward+backward", step):
+                loss, grads, correct = self.model.loss_and_grad(xb, yb)
+            with tl.span("allreduce", step), self.dog.watch("gradient allreduce", step, self.left):
+                allreduce_many_(self.grad_slices or [grads[n] for n in reversed(grads)], op="mean",
+                                comm=self.comm, bucket_bytes=self.bucket_bytes, algorithm=cfg.allreduce,
+                                compression=self.compression)
+        arrays = self.grad_slices or list(grads.values())
         # The reduced gradients are bitwise equal on every rank, so this
         # decision is the same everywhere without another collective.
         finite = all(bool(xp.isfinite(g).all()) for g in arrays)
@@ -309,6 +340,8 @@ class _Loop:
         log.print(f"done: step {step}, epoch {epoch} ({stopped}); test accuracy "
                   f"{self.last_eval.get('accuracy', float('nan')):.2%}")
         self._write_timeline()
+        if self.reducer is not None:
+            self.reducer.close()
         self.dog.close()
         log.close()
         params = {name: backend.to_numpy(p).copy() for name, p in self.params.items()}
@@ -404,18 +437,38 @@ _STOP_REASONS = {1: "max_steps", 2: "max_time"}
 
 
 def _grad_slices(model, bucket_bytes):
-    """Bucket-sized slices of the model's flat ``grad_buffer``, or None if it has none.
+    """One slice of the model's flat ``grad_buffer`` per fusion bucket, or None.
 
-    A model whose gradients are views into one flat buffer (like
-    :class:`ringtrain.models.MLP`) is reduced a slice at a time, in place:
-    ``allreduce_many_`` on the separate gradients would copy them into a
-    fusion buffer and back, which costs about as much as the ring itself.
+    A model whose gradients lie back to back in one flat buffer, in the order
+    backward delivers them (like :class:`ringtrain.models.MLP`), is reduced a
+    bucket at a time in place: ``allreduce_many_`` on the separate gradients
+    would copy them into a fusion buffer and back, which costs about as much
+    as the ring itself. The buckets are those the overlapping
+    :class:`~ringtrain.overlap.Reducer` plans, so --no-overlap reduces the
+    same elements in the same calls and gives bitwise the same result.
     """
-    buffer = getattr(model, "grad_buffer", None)
-    if buffer is None or buffer.ndim != 1 or buffer.size != sum(int(p.size) for p in model.params.values()):
+    buffer, grads = getattr(model, "grad_buffer", None), getattr(model, "grads", None)
+    if buffer is None or not isinstance(grads, dict) or buffer.ndim != 1 or list(grads) != list(model.params):
         return None
-    per = max(1, bucket_bytes // buffer.itemsize)
-    return [buffer[start:start + per] for start in range(0, buffer.size, per)]
+    ordered = [grads[n] for n in reversed(model.params)]
+    address = _address(buffer)
+    for g in ordered:
+        if g.dtype != buffer.dtype or not g.flags.c_contiguous or _address(g) != address:
+            return None
+        address += g.nbytes
+    if address != _address(buffer) + buffer.nbytes:
+        return None
+    slices, start = [], 0
+    for bucket in plan_buckets(ordered, bucket_bytes):
+        size = sum(ordered[i].size for i in bucket)
+        slices.append(buffer[start:start + size])
+        start += size
+    return slices
+
+
+def _address(a):
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return interface["data"][0]
 
 
 def _finite(record):

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain.config import TrainConfig
-from ringtrain.trainer import train
+from ringtrain.trainer import params_digest, train
 
 QUIET = dict(progress=False, log_every=1000, eval_every=0)
 
@@ -83,3 +83,41 @@ def test_every_rank_ends_with_identical_parameters():
                                batch_size=8, run_dir=os.path.join(tmp, "r"), resume="none", **QUIET), comm)
     everyone = comm.allgather({k: v.tobytes() for k, v in result.params.items()})
     assert all(e == everyone[0] for e in everyone)
+
+
+def _overlap_run(comm, tmp, name, **settings):
+    # Small buckets (1 KiB), so the MLP's gradients form four buckets and
+    # overlapping really starts reductions during backward.
+    cfg = TrainConfig(dataset="synthetic", samples=400, features=40, classes=4, hidden=(48, 24), epochs=2,
+                      batch_size=16, bucket_mb=1 / 1024, run_dir=os.path.join(tmp, name), resume="none",
+                      eval_every=1, progress=False, log_every=1000)
+    return train(dataclasses.replace(cfg, **settings), comm)
+
+
+@pytest.mark.mpi
+def test_overlap_on_and_off_give_bitwise_equal_parameters_and_fp16_comes_close():
+    comm = MPI.COMM_WORLD
+    tmp = shared_tmpdir(comm)
+    on = _overlap_run(comm, tmp, "on", overlap=True)
+    off = _overlap_run(comm, tmp, "off", overlap=False)
+    half_on = _overlap_run(comm, tmp, "fp16-on", overlap=True, fp16_allreduce=True)
+    half_off = _overlap_run(comm, tmp, "fp16-off", overlap=False, fp16_allreduce=True)
+    digests = comm.allgather([params_digest(r.params) for r in (on, off, half_on, half_off)])
+    assert all(d == digests[0] for d in digests)  # every rank identical, in every mode
+    assert params_digest(on.params) == params_digest(off.params)
+    assert params_digest(half_on.params) == params_digest(half_off.params)
+    for name in on.params:
+        np.testing.assert_allclose(half_on.params[name], on.params[name], rtol=0.05, atol=0.02, err_msg=name)
+    assert abs(half_on.eval["accuracy"] - on.eval["accuracy"]) <= 0.05
+
+
+@pytest.mark.mpi
+def test_resume_with_overlap_and_fp16_is_bitwise_exact():
+    comm = MPI.COMM_WORLD
+    tmp = shared_tmpdir(comm)
+    straight = _overlap_run(comm, tmp, "straight", fp16_allreduce=True)
+    _overlap_run(comm, tmp, "resumed", fp16_allreduce=True, max_steps=7, checkpoint_every=3, resume="auto")
+    resumed = _overlap_run(comm, tmp, "resumed", fp16_allreduce=True, resume="auto")
+    comm.Barrier()
+    assert resumed.step == straight.step
+    assert params_digest(resumed.params) == params_digest(straight.params)
