@@ -37,8 +37,10 @@ go to MPI directly; otherwise they are staged through reused pinned host
 buffers and reduced on the host.
 """
 
+import atexit
 import functools
 import operator
+import weakref
 import struct
 
 import numpy as np
@@ -184,6 +186,13 @@ class _CommState:
             comm.Set_attr(cls._keyval, state)
         return state
 
+    def drop_plans(self):
+        """Forget the small-call plans and free their requests (before freeing the communicator)."""
+        for plan in self.plans.values():
+            if plan is not None:
+                plan.free()
+        self.plans.clear()
+
     def buffer(self, name, nbytes, xp=np, pinned=False):
         """A reused 1-D uint8 buffer of at least ``nbytes``; grows, never shrinks."""
         key = (name, xp.__name__, pinned)
@@ -302,7 +311,7 @@ class _PairPlan:
     """
 
     __slots__ = ("who", "header", "mine", "payload", "operands", "message", "heard", "received",
-                 "sendrecv", "peer", "combine", "predivide", "divide_after", "two", "recv_header", "send_header")
+                 "requests", "startall", "waitall", "peer", "combine", "predivide", "divide_after", "two", "recv_header", "send_header", "__weakref__")
 
     def __init__(self, state, who, header, dtype, shape, op):
         count, nbytes = header[3], header[3] * dtype.itemsize
@@ -320,7 +329,13 @@ class _PairPlan:
         self.heard = state._heard
         self.received = state.recv_bytes[:_HEADER_BYTES]
         self.recv_header = state.recv_header
-        self.sendrecv = state.comm.Sendrecv
+        # Persistent requests: MPI parses the buffers once, not on every call
+        # (0.4 us of a 4.6 us call here, against a plain Sendrecv). The receive
+        # is posted first and takes the whole receive buffer, as in exchange().
+        comm = state.comm
+        self.requests = [comm.Recv_init(self.heard, self.peer, _TAG), comm.Send_init(self.message, self.peer, _TAG)]
+        self.startall, self.waitall = state.MPI.Prequest.Startall, state.MPI.Request.Waitall
+        _live_plans.add(self)
         combine = _COMBINE[op]
         if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
             combine = functools.partial(_combine_out, combine)
@@ -331,6 +346,13 @@ class _PairPlan:
         self.two = dtype.type(2)  # the rank count as a scalar of x's dtype: no conversion per call
         assert count == self.payload.size
 
+    def free(self):
+        """Free the persistent requests (MPICH complains of inactive ones left at MPI_Finalize)."""
+        for request in self.requests:
+            if request:
+                request.Free()
+        _live_plans.discard(self)
+
     def run(self, x):
         """Reduce ``x`` (a NumPy array of the planned dtype and shape) in place; return it."""
         # Positional out= and slice assignment: each ~0.3 us cheaper than the keyword and np.copyto.
@@ -338,7 +360,9 @@ class _PairPlan:
         payload[...] = x
         if self.predivide:
             np.divide(payload, self.two, payload)
-        self.sendrecv(self.message, self.peer, _TAG, self.heard, self.peer, _TAG)
+        requests = self.requests
+        self.startall(requests)
+        self.waitall(requests)
         # tobytes() then compare: 40 ns; comparing memoryviews goes element by element (400 ns).
         if self.received.tobytes() != self.mine:
             lowest = np.minimum(self.send_header, self.recv_header).tolist()
@@ -357,7 +381,7 @@ def _pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
     plan = plans.get(key, _NO_PLAN)
     if plan is _NO_PLAN:
         if len(plans) > 256:  # bounded: training loops repeat a few shapes
-            plans.clear()
+            state.drop_plans()
         dtype = np.dtype(x.dtype)
         plan = None
         if (state.size == 2 and type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
@@ -370,6 +394,17 @@ def _pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
 
 
 _NO_PLAN = object()
+_live_plans = weakref.WeakSet()
+
+
+@atexit.register
+def _free_plans():
+    # Python's atexit handlers run before mpi4py's MPI_Finalize.
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        for plan in list(_live_plans):
+            plan.free()
 
 
 def _combine_out(combine, a, b, out):

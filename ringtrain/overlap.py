@@ -176,6 +176,7 @@ class Reducer:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
+        self.state.drop_plans()
         self.comm.Free()
         self.comm = None
 
