@@ -256,8 +256,9 @@ class _Loop:
                 pushed.add(name)
                 self.reducer.push(name, grad)
 
-            with tl.span("forward+backward", step), self.dog.watch("backward with gradient allreduce", step,
-                                                                    self.left):
+            # Not watched: the model's own time is not a collective's (a slow
+            # rank is named by the others, waiting below).
+            with tl.span("forward+backward", step):
                 loss, grads, correct = self.model.loss_and_grad(xb, yb, on_grad=on_grad)
             with tl.span("allreduce wait", step), self.dog.watch("gradient allreduce", step, self.left):
                 for name in reversed(grads):  # a model that skipped on_grad for some
