@@ -32,6 +32,7 @@ thread level (or one rank) the reducer reduces each bucket synchronously in
 ``push``, with the same results.
 """
 
+import contextlib
 import queue
 import threading
 
@@ -77,13 +78,16 @@ class Reducer:
         algorithm: ``"auto"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
         threaded: reduce on a communication thread (default: when MPI
             provides ``MPI_THREAD_MULTIPLE`` and there is more than one rank).
+        trace: optional ``trace(k)`` returning a context manager around the
+            reduction of bucket ``k`` (on the thread that reduces it), e.g. a
+            :class:`~ringtrain.timeline.Timeline` span.
 
     Raises:
         UsageError: on every rank, for arguments any rank cannot use.
     """
 
     def __init__(self, comm, arrays, bucket_bytes=None, op="mean", compression=None, algorithm="auto",
-                 threaded=None):
+                 threaded=None, trace=None):
         from mpi4py import MPI
 
         if isinstance(arrays, dict):
@@ -96,6 +100,7 @@ class Reducer:
         self.comm = comm.Dup()
         self.state = _CommState.of(self.comm)
         self.op, self.algorithm, self.compression = op, algorithm, compression
+        self.trace = trace
         self.names, self.arrays = names, items
         self._index = {name: i for i, name in enumerate(names)}
         size = self.state.size
@@ -199,7 +204,7 @@ class Reducer:
             flat = bucket.fused
         # CuPy: the gradient kernels must finish before another thread hands the memory to MPI.
         backend.synchronize(flat)
-        job = (flat, bucket, members, in_place)
+        job = (k, flat, bucket, members, in_place)
         if self._thread is None:
             self._reduce(job)
             if self._error is not None:
@@ -217,15 +222,16 @@ class Reducer:
         return bucket.staging
 
     def _reduce(self, job):
-        flat, bucket, members, in_place = job
+        k, flat, bucket, members, in_place = job
         if self._error is not None:
             # An earlier bucket failed (on every rank alike, for the checked errors): skip the rest.
             return
         try:
-            _reduce_bucket(self.state, "Reducer", flat, bucket.wire, self.op, self.algorithm, len(self.arrays),
-                           self.signature, (0, None))
-            if not in_place:
-                unpack(flat, members)
+            with self.trace(k) if self.trace is not None else contextlib.nullcontext():
+                _reduce_bucket(self.state, "Reducer", flat, bucket.wire, self.op, self.algorithm,
+                               len(self.arrays), self.signature, (0, None))
+                if not in_place:
+                    unpack(flat, members)
         except BaseException as exc:  # noqa: BLE001 - handed to wait() on the main thread
             self._error = exc
 

@@ -2,7 +2,9 @@
 
 Like Horovod's timeline: open the file in https://ui.perfetto.dev or
 chrome://tracing. Each rank is a process row (``pid`` = rank), each phase of
-each step (data, forward+backward, allreduce, optimizer) a bar on it.
+each step (data, forward+backward, allreduce, optimizer) a bar on it. With
+overlap, the communication thread is a second row of the rank (``tid`` 1)
+with one bar per gradient bucket, under the backward it hides behind.
 """
 
 import contextlib
@@ -10,7 +12,9 @@ import json
 import os
 import time
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "THREAD_NAMES"]
+
+THREAD_NAMES = {0: "main", 1: "communication"}
 
 
 class Timeline:
@@ -24,8 +28,8 @@ class Timeline:
         self._origin = clock()
 
     @contextlib.contextmanager
-    def span(self, name, step=None):
-        """Record the body as one span named ``name``."""
+    def span(self, name, step=None, tid=0):
+        """Record the body as one span named ``name`` on thread row ``tid`` (safe from any thread)."""
         if not self.enabled:
             yield
             return
@@ -34,7 +38,8 @@ class Timeline:
             yield
         finally:
             end = self._clock()
-            self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": 0,
+            # list.append is atomic, so the communication thread may record too.
+            self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
                                 "ts": round((start - self._origin) * 1e6, 3),
                                 "dur": round((end - start) * 1e6, 3),
                                 "args": {} if step is None else {"step": step}})
@@ -46,6 +51,9 @@ class Timeline:
         for rank, rank_events in enumerate(per_rank_events):
             events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                            "args": {"name": f"rank {rank}"}})
+            for tid in sorted({e["tid"] for e in rank_events}):
+                events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                               "args": {"name": THREAD_NAMES.get(tid, f"thread {tid}")}})
             events.extend(rank_events)
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 

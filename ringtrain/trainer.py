@@ -223,16 +223,20 @@ class _Loop:
         self.bucket_bytes = int(cfg.bucket_mb * 2**20)
         self.compression = "fp16" if cfg.fp16_allreduce else None
         self.grad_slices = _grad_slices(model, self.bucket_bytes)
-        self.reducer = None
+        self.dog = Watchdog(comm, cfg.timeout)
+        self.left = left_neighbour(comm.Get_rank(), comm.Get_size())
+        self.timeline = Timeline(comm.Get_rank(), enabled=cfg.timeline is not None)
+        self.reducer, self.current_step = None, None
         if cfg.overlap:
             # Registered in the order backward delivers them, so buckets fill early;
             # the MLP's own gradient buffers are reduced in place.
             grads = getattr(model, "grads", None) or {n: xp.zeros_like(p) for n, p in self.params.items()}
+            trace = None
+            if self.timeline.enabled:
+                def trace(k):
+                    return self.timeline.span(f"allreduce bucket {k}", self.current_step, tid=1)
             self.reducer = Reducer(comm, {n: grads[n] for n in reversed(self.params)}, self.bucket_bytes,
-                                   op="mean", compression=self.compression, algorithm=cfg.allreduce)
-        self.dog = Watchdog(comm, cfg.timeout)
-        self.left = left_neighbour(comm.Get_rank(), comm.Get_size())
-        self.timeline = Timeline(comm.Get_rank(), enabled=cfg.timeline is not None)
+                                   op="mean", compression=self.compression, algorithm=cfg.allreduce, trace=trace)
         self.total_steps = cfg.epochs * plan.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -243,6 +247,7 @@ class _Loop:
     # -- one step -------------------------------------------------------------
     def step(self, step, epoch, index):
         cfg, xp, tl = self.cfg, self.xp, self.timeline
+        self.current_step = step
         rows = self.plan.batch_indices(epoch, index)
         with tl.span("data", step):
             xb = xp.asarray(self.data.x[rows])

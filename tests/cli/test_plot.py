@@ -14,7 +14,8 @@ def trained(tmp_path_factory):
     """One short two-rank run with a timeline, shared by the tests here."""
     run_dir = tmp_path_factory.mktemp("plot") / "run"
     timeline = run_dir / "timeline.json"
-    result = mpirun(2, rt("train", "--dataset", "digits", "--epochs", "3", "--log-every", "10",
+    # Small buckets, so the overlapping reducer has several per step to show.
+    result = mpirun(2, rt("train", "--dataset", "digits", "--epochs", "3", "--log-every", "10", "--bucket-mb", "0.05",
                           "--run-dir", str(run_dir), "--timeline", str(timeline)), timeout=120)
     assert result.returncode == 0, show(result)
     return run_dir, timeline
@@ -66,11 +67,13 @@ def test_timeline_is_a_chrome_trace_with_every_phase_on_every_rank(trained):
     trace = json.loads(timeline.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {"rank 0", "rank 1"}
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"rank 0", "rank 1"} and threads == {"main", "communication"}
     assert all({"name", "pid", "tid", "ts", "dur"} <= set(e) and e["dur"] >= 0 for e in spans)
     for rank in (0, 1):
         mine = {e["name"] for e in spans if e["pid"] == rank}
-        assert {"data", "forward+backward", "optimizer"} <= mine, mine
-        assert any(name.startswith("allreduce") for name in mine), mine
+        assert {"data", "forward+backward", "allreduce wait", "optimizer"} <= mine, mine
+        buckets = {e["name"] for e in spans if e["pid"] == rank and e["tid"] == 1}
+        assert buckets == {f"allreduce bucket {k}" for k in range(4)}, buckets  # 64-256-128-10: 4 buckets
         steps = {e["args"]["step"] for e in spans if e["pid"] == rank and e["name"] == "optimizer"}
         assert steps == set(range(len(steps)))  # one per step, from step 0
