@@ -91,7 +91,7 @@ def run(args):
     import numpy as np
     from mpi4py import MPI
 
-    from ..collectives import SMALL_BYTES, allreduce_
+    from ..collectives import RING_BYTES, SMALL_BYTES, allreduce_
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0", everywhere=True)
@@ -125,12 +125,12 @@ def run(args):
         rows.append(row)
         if rank == 0 and not args.json:
             if len(rows) == 1:
-                _print_header(size, copy, SMALL_BYTES)
+                _print_header(size, copy, SMALL_BYTES, RING_BYTES)
             _print_row(row)
         del x
     if rank == 0 and args.json:
         print(json.dumps({"ranks": size, "dtype": "float32", "op": "sum", "memcpy_GBps": copy / 1e9,
-                          "small_bytes": SMALL_BYTES, "busbw_factor": factor,
+                          "small_bytes": SMALL_BYTES, "ring_bytes": RING_BYTES, "busbw_factor": factor,
                           "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
                           "rows": rows}, indent=2))
     return 0
@@ -143,9 +143,10 @@ def _size(nbytes):
     return str(nbytes)
 
 
-def _print_header(size, copy, small):
+def _print_header(size, copy, small, ring):
     print(f"# ringtrain bench allreduce: {size} rank(s), float32 sum, busbw = algbw * 2(N-1)/N")
-    print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, ring above")
+    print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, "
+          f"MPI Allreduce below {_size(ring)}, ring from there")
     print(f"# {'size':>6} {'count':>10} | {'mpi us':>9} {'busbw':>6} | {'ring us':>9} {'busbw':>6} | "
           f"{'auto us':>9} {'busbw':>6} | {'ring/mpi':>8} {'ring/cpy':>8} {'auto/mpi':>8}")
     print(f"# {'':>6} {'':>10} | {'':>9} {'GB/s':>6} | {'':>9} {'GB/s':>6} | {'':>9} {'GB/s':>6} | "

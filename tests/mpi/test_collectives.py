@@ -18,7 +18,7 @@ comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 # Edge lengths (empty, one, fewer than ranks, primes) and one prime above the
-# small-message threshold for every dtype, so "auto" takes the ring too.
+# small-message threshold for every dtype, so "auto" takes its large-message path too.
 LENGTHS = [0, 1, 2, 3, 7, 1009, SMALL_BYTES // 2 + 11]
 ALGORITHMS = ["auto", "ring", "mpi"]
 

@@ -14,7 +14,7 @@ from ringtrain.overlap import Reducer
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
-# Mixed shapes, one above the small-message threshold so a bucket takes the ring.
+# Mixed shapes, one above the small-message threshold so a bucket takes the large-message path.
 SHAPES = [(7,), (3, 5), (), (SMALL_BYTES // 4 + 3,), (4, 4), (11,)]
 
 
