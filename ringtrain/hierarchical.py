@@ -28,8 +28,7 @@ MPI attribute caching (:meth:`Hierarchy.of`), made on first use by a
 collective call, and freed when the communicator is freed.
 """
 
-from .backend import synchronize
-from .ring import chunk_bounds, ring_allreduce, ring_schedule, segments
+from .ring import ring_allreduce, ring_reduce_scatter
 
 __all__ = [
     "Hierarchy",
@@ -130,38 +129,6 @@ def _free_hierarchy(comm, keyval, hierarchy):
         hierarchy.free()
 
 
-def _reduce_scatter(comm, buf, combine, stages, segment):
-    """The ring's reduce-scatter phase over ``comm``: rank r ends owning chunk ``(r + 1) % size``.
-
-    The same step schedule and segment pipeline as
-    :func:`ringtrain.ring.ring_allreduce`, stopped before the allgather:
-    only the host's leader needs the whole reduced vector.
-    """
-    from mpi4py import MPI
-
-    size, rank = comm.Get_size(), comm.Get_rank()
-    right, left = (rank + 1) % size, (rank - 1) % size
-    bounds = chunk_bounds(buf.size, size)
-    byte = MPI.BYTE
-    for send_chunk, recv_chunk in ring_schedule(rank, size)[0]:
-        sends = [comm.Isend([buf[a:b], byte], right, 21)
-                 for a, b in segments(bounds[send_chunk], bounds[send_chunk + 1], segment)]
-        pieces = segments(bounds[recv_chunk], bounds[recv_chunk + 1], segment)
-        if pieces:
-            a, b = pieces[0]
-            request = comm.Irecv([stages[0][: b - a], byte], left, 21)
-        for k, (a, b) in enumerate(pieces):
-            request.Wait()
-            if k + 1 < len(pieces):
-                c, d = pieces[k + 1]
-                request = comm.Irecv([stages[(k + 1) % 2][: d - c], byte], left, 21)
-            local = buf[a:b]
-            combine(local, stages[k % 2][: b - a], out=local)
-            synchronize(local)  # a GPU kernel must finish before MPI reads the chunk
-        MPI.Request.Waitall(sends)
-    return bounds
-
-
 def hierarchical_reduce(comm, buf, combine, stages, segment):
     """Reduce the 1-D contiguous ``buf`` across ``comm`` in place, host by host.
 
@@ -188,7 +155,7 @@ def hierarchical_reduce(comm, buf, combine, stages, segment):
     byte = MPI.BYTE
     item = buf.itemsize
     if intra.Get_size() > 1:
-        bounds = _reduce_scatter(intra, buf, combine, stages, segment)
+        bounds = ring_reduce_scatter(intra, buf, combine, stages, segment, tag=21)
         size, rank = intra.Get_size(), intra.Get_rank()
         owned = (rank + 1) % size
         if rank == 0:

@@ -25,6 +25,8 @@ __all__ = [
     "segments",
     "doubling_schedule",
     "ring_allreduce",
+    "ring_reduce_scatter",
+    "ring_allgather",
 ]
 
 
@@ -131,38 +133,61 @@ def ring_allreduce(comm, buf, combine, stages, segment):
             elements, the reused receive buffers.
         segment: pipeline segment length in elements.
     """
-    from mpi4py import MPI
-
     size = comm.Get_size()
     if size == 1 or buf.size == 0:
         return buf
-    rank = comm.Get_rank()
+    bounds = ring_reduce_scatter(comm, buf, combine, stages, segment)
+    ring_allgather(comm, buf, bounds)
+    return buf
+
+
+def ring_reduce_scatter(comm, buf, combine, stages, segment, tag=11):
+    """The ring's first phase: afterwards rank r holds the reduced chunk ``(r + 1) % size``.
+
+    Collective over ``comm``; the arguments are those of :func:`ring_allreduce`.
+    Returns the chunk bounds. (The hierarchical allreduce stops here within a
+    host: only the host's leader needs the whole reduced vector.)
+    """
+    from mpi4py import MPI
+
+    size, rank = comm.Get_size(), comm.Get_rank()
     right, left = (rank + 1) % size, (rank - 1) % size
     bounds = chunk_bounds(buf.size, size)
-    reduce_scatter, allgather = ring_schedule(rank, size)
     byte = MPI.BYTE
-    # Distinct tags per phase keep a late message of one phase from matching a
-    # receive of the other.
-    for send_chunk, recv_chunk in reduce_scatter:
-        sends = [comm.Isend([buf[a:b], byte], right, 11)
+    for send_chunk, recv_chunk in ring_schedule(rank, size)[0]:
+        sends = [comm.Isend([buf[a:b], byte], right, tag)
                  for a, b in segments(bounds[send_chunk], bounds[send_chunk + 1], segment)]
         pieces = segments(bounds[recv_chunk], bounds[recv_chunk + 1], segment)
         if pieces:
             a, b = pieces[0]
-            request = comm.Irecv([stages[0][: b - a], byte], left, 11)
+            request = comm.Irecv([stages[0][: b - a], byte], left, tag)
         for k, (a, b) in enumerate(pieces):
             request.Wait()
             if k + 1 < len(pieces):
                 c, d = pieces[k + 1]
-                request = comm.Irecv([stages[(k + 1) % 2][: d - c], byte], left, 11)
+                request = comm.Irecv([stages[(k + 1) % 2][: d - c], byte], left, tag)
             local = buf[a:b]
             combine(local, stages[k % 2][: b - a], out=local)
             # The combined chunk is the next step's send: on a GPU the kernel
             # must finish before MPI reads it.
             synchronize(local)
         MPI.Request.Waitall(sends)
-    for send_chunk, recv_chunk in allgather:
+    return bounds
+
+
+def ring_allgather(comm, buf, bounds, tag=12):
+    """The ring's second phase: pass the reduced chunks around until every rank has all.
+
+    Collective over ``comm``. A distinct tag from the reduce-scatter keeps a
+    late message of one phase from matching a receive of the other.
+    """
+    from mpi4py import MPI
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    byte = MPI.BYTE
+    for send_chunk, recv_chunk in ring_schedule(rank, size)[1]:
         # Finished chunks are received straight into place: no staging, no copy.
-        comm.Sendrecv([buf[bounds[send_chunk]:bounds[send_chunk + 1]], byte], right, 12,
-                      [buf[bounds[recv_chunk]:bounds[recv_chunk + 1]], byte], left, 12)
+        comm.Sendrecv([buf[bounds[send_chunk]:bounds[send_chunk + 1]], byte], right, tag,
+                      [buf[bounds[recv_chunk]:bounds[recv_chunk + 1]], byte], left, tag)
     return buf

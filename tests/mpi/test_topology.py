@@ -1,6 +1,5 @@
 """TaskSpec checked against values computed from MPI directly, at every size."""
 
-import socket
 
 import pytest
 from mpi4py import MPI
