@@ -227,7 +227,10 @@ class _Loop:
         self.left = left_neighbour(comm.Get_rank(), comm.Get_size())
         self.timeline = Timeline(comm.Get_rank(), enabled=cfg.timeline is not None)
         self.reducer, self.current_step = None, None
-        if cfg.overlap:
+        # One bucket (the default 4 MiB holds a whole small MLP) or one rank:
+        # nothing could overlap, and the thread hand-off would only cost time.
+        buckets = plan_buckets(list(reversed(self.params.values())), self.bucket_bytes)
+        if cfg.overlap and len(buckets) > 1 and comm.Get_size() > 1:
             # Registered in the order backward delivers them, so buckets fill early;
             # the MLP's own gradient buffers are reduced in place.
             grads = getattr(model, "grads", None) or {n: xp.zeros_like(p) for n, p in self.params.items()}
