@@ -234,18 +234,19 @@ class _Loop:
             # Registered in the order backward delivers them, so buckets fill early;
             # the MLP's own gradient buffers are reduced in place.
             grads = getattr(model, "grads", None) or {n: xp.zeros_like(p) for n, p in self.params.items()}
-            trace = None
-            if self.timeline.enabled:
-                def trace(k):
-                    return self.timeline.span(f"allreduce bucket {k}", self.current_step, tid=1)
             self.reducer = Reducer(comm, {n: grads[n] for n in reversed(self.params)}, self.bucket_bytes,
-                                   op="mean", compression=self.compression, algorithm=cfg.allreduce, trace=trace)
+                                   op="mean", compression=self.compression, algorithm=cfg.allreduce,
+                                   trace=self._bucket_span if self.timeline.enabled else None)
         self.total_steps = cfg.epochs * plan.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.metrics = np.zeros(4, np.float64)  # loss sum, correct, samples, stop flag
         self.last_train, self.last_eval = {}, {}
         self.start = time.perf_counter()
+
+    def _bucket_span(self, k):
+        # Runs on the Reducer's communication thread: its own row in the timeline.
+        return self.timeline.span(f"allreduce bucket {k}", self.current_step, tid=1)
 
     # -- one step -------------------------------------------------------------
     def step(self, step, epoch, index):

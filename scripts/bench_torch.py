@@ -49,8 +49,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 CONTESTANTS = ("ddp-gloo", "horovod", "ringtrain-torch", "ringtrain-numpy")
 SIZES = (784, 512, 512, 10)
 BATCH, LR, MOMENTUM = 64, 0.05, 0.9
