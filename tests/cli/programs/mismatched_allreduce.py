@@ -24,7 +24,10 @@ def main(what):
             ringtrain.allreduce(np.ones(n, dtype), comm=comm)
             comm.Barrier()
     except UsageError as exc:
-        print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)
+        # One write per line: ranks share mpirun's stderr, and print() may split
+        # the text and its newline into two writes that other ranks interleave.
+        sys.stderr.write(f"rank {comm.Get_rank()}: error: {exc}\n")
+        sys.stderr.flush()
         return 2
     return 0
 
