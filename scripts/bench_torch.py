@@ -42,6 +42,7 @@ Run it under plain ``mpirun`` (this script does); keep torch at 2.13.0+cpu.
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -107,7 +108,13 @@ def _steps(contestant, comm, data, plan):
 
         hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        plain_opt = opt
+        # Horovod has no no_sync(): at 2+ ranks its hooks on the parameters' gradient
+        # accumulators allreduce on every backward. The compute-only step runs a twin
+        # whose parameters share the storage but are other autograd leaves (no hooks).
+        local = copy.deepcopy(model)
+        for twin, p in zip(local.parameters(), model.parameters()):
+            twin.data = p.data
+        plain_opt = torch.optim.SGD(local.parameters(), lr=LR, momentum=MOMENTUM)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     if contestant == "ringtrain-torch":
         from ringtrain.interop import average_gradients_, broadcast_parameters_, bucket_view_
@@ -129,7 +136,10 @@ def _steps(contestant, comm, data, plan):
             loss_fn(local(xb), yb).backward()
             plain_opt.step()
             return
-        opt.zero_grad(set_to_none=False)
+        if contestant == "horovod":
+            opt.zero_grad()  # Horovod 0.28's zero_grad() takes no set_to_none
+        else:
+            opt.zero_grad(set_to_none=False)
         loss_fn(model(xb), yb).backward()
         if contestant == "ringtrain-torch" and communicate:
             average_gradients_(model, comm=comm)
