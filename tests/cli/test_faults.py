@@ -245,3 +245,17 @@ def test_failed_save_keeps_earlier_checkpoints_is_reported_and_training_goes_on(
     for path in list_checkpoints(run_dir / "checkpoints"):
         read_checkpoint(path)
     assert events(run_dir, "done")[0]["step"] == 60
+
+
+# --- replicas that diverge ----------------------------------------------------
+
+def test_replicas_that_diverge_are_caught_by_the_digest_check(tmp_path):
+    # Rank 1 nudges a weight at step 3; the digest allgathered at the next
+    # checkpoint (step 5) differs, and the job ends with a message saying so.
+    run_dir = tmp_path / "run"
+    result, elapsed = timed(mpirun, 2, faulty("diverge", 1, 3, "--checkpoint-every", "5",
+                                              "--run-dir", str(run_dir)), timeout=60)
+    assert result.returncode != 0 and elapsed < 30, show(result)
+    assert "parameters differ across ranks at step 5" in result.stderr, show(result)
+    # The diverged state never reached disk as a checkpoint.
+    assert not os.path.exists(run_dir / "checkpoints" / "ckpt-00000005.npz")

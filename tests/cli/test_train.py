@@ -84,3 +84,14 @@ def test_ranks_given_different_batch_sizes_all_fail_cleanly(tmp_path):
     assert result.returncode == 2, show(result)
     assert "ranks disagree on --batch-size: rank 0 has 32, rank 1 has 64" in result.stderr, show(result)
     assert not os.path.exists(run_dir)
+
+
+def test_max_time_stops_with_a_final_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    result = mpirun(2, rt("train", "--dataset", "synthetic", "--samples", "20000", "--epochs", "1000",
+                          "--max-time", "2", "--run-dir", str(run_dir)), timeout=120)
+    assert result.returncode == 0, show(result)
+    done = [m for m in read_metrics(run_dir) if m["event"] == "done"]
+    assert done and done[0]["stopped"] == "max_time" and done[0]["epoch"] < 1000, show(result)
+    params, meta = ringtrain.load_checkpoint(str(run_dir))
+    assert meta["final"] and meta["step"] == done[0]["step"]

@@ -13,6 +13,8 @@ FAULT, on rank RANK only:
 * ``nan``: a NaN in the input batch of step STEP, so that rank's local
   gradients are NaN and the reduced ones too.
 * ``nan-from``: the same at every step from STEP on.
+* ``diverge``: nudge one parameter in step STEP, so the replicas differ
+  (the digest check at the next checkpoint must catch it).
 * ``enospc``: the STEP-th checkpoint save (counting from 0) fails with
   ``OSError(ENOSPC)`` after writing a few bytes. Only rank 0 writes.
 
@@ -61,6 +63,9 @@ class Faulty:
                 time.sleep(120)
             elif self.fault == "raise":
                 raise RuntimeError(f"injected fault at step {step}")
+            elif self.fault == "diverge":
+                first = next(iter(self.params.values()))
+                first.reshape(-1)[0] += 1.0
             elif self.fault in ("nan", "nan-from"):
                 # In the input, not the returned gradients: with overlap the
                 # gradients are reduced inside backward, before we could touch them.
