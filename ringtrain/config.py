@@ -57,8 +57,9 @@ class TrainConfig:
     bucket_mb: float = _f(4.0, "gradient fusion bucket size in MiB")
     overlap: bool = _f(True, "reduce gradient buckets while backward is still running")
     fp16_allreduce: bool = _f(False, "send gradients as float16 on the wire (halves traffic)")
-    allreduce: str = _f("auto", "gradient allreduce: auto, ring, mpi, or hierarchical (within hosts, then across)",
-                        choices=("auto", "ring", "mpi", "hierarchical"))
+    allreduce: str = _f("auto", "gradient allreduce: auto, ring, mpi, hierarchical (within hosts, then across), "
+                        "or shm (shared memory, every rank on one host)",
+                        choices=("auto", "ring", "mpi", "hierarchical", "shm"))
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
     progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal")
 

@@ -182,6 +182,7 @@ class Reducer:
             self._thread.join()
             self._thread = None
         self.state.drop_plans()
+        self.state.free_arena()
         self.comm.Free()
         self.comm = None
 

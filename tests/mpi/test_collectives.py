@@ -20,7 +20,7 @@ DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 # Edge lengths (empty, one, fewer than ranks, primes) and one prime above the
 # small-message threshold for every dtype, so "auto" takes its large-message path too.
 LENGTHS = [0, 1, 2, 3, 7, 1009, SMALL_BYTES // 2 + 11]
-ALGORITHMS = ["auto", "ring", "mpi"]
+ALGORITHMS = ["auto", "ring", "mpi", "shm"]  # every test rank shares this host, so shm applies
 
 
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
@@ -219,3 +219,21 @@ def test_broadcast(xp):
     broadcast_(y, comm=comm)
     assert np.array_equal(backend.to_numpy(x), want)
     assert np.array_equal(backend.to_numpy(y), want_y)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_shared_memory_in_blocks_matches_mpi(dtype):
+    # Above SINGLE_BLOCK_BYTES the shared-memory path works in blocks that
+    # alternate between two halves of each slot: a prime length past it
+    # crosses several blocks and ends in a partial one.
+    from ringtrain.shm import SINGLE_BLOCK_BYTES
+
+    n = SINGLE_BLOCK_BYTES // np.dtype(dtype).itemsize + 100_003
+    x = data(n, dtype, seed=7)
+    want = reference(x, "sum")
+    got = allreduce(x, "sum", comm, algorithm="shm")
+    again = allreduce(x, "sum", comm, algorithm="shm")
+    everywhere = same_everywhere(got)
+    assert close(got, want, dtype) and everywhere
+    assert got.tobytes() == again.tobytes()
