@@ -145,8 +145,11 @@ def _size(nbytes):
 
 def _print_header(size, copy, small, ring):
     print(f"# ringtrain bench allreduce: {size} rank(s), float32 sum, busbw = algbw * 2(N-1)/N")
-    print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, "
-          f"MPI Allreduce below {_size(ring)}, ring from there")
+    from ..shm import SINGLE_BLOCK_BYTES
+
+    print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, then "
+          f"shared memory up to {_size(SINGLE_BLOCK_BYTES)} on one host (else MPI Allreduce below {_size(ring)}), "
+          f"ring from there")
     print(f"# {'size':>6} {'count':>10} | {'mpi us':>9} {'busbw':>6} | {'ring us':>9} {'busbw':>6} | "
           f"{'auto us':>9} {'busbw':>6} | {'ring/mpi':>8} {'ring/cpy':>8} {'auto/mpi':>8}")
     print(f"# {'':>6} {'':>10} | {'':>9} {'GB/s':>6} | {'':>9} {'GB/s':>6} | {'':>9} {'GB/s':>6} | "
