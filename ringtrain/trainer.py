@@ -178,6 +178,7 @@ def train(cfg, comm=None, *, model=None, stream=None):
     validate(cfg)
     _check_same_settings(comm, cfg)
     spec = TaskSpec.from_mpi(comm)
+    threads = spec.limit_threads()
     problem = None
     try:
         xp = backend.xp_for(cfg.device)
@@ -203,6 +204,9 @@ def train(cfg, comm=None, *, model=None, stream=None):
 
     run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
     log = RunLog(run_dir, spec.is_master, stream=stream)
+    if threads is not None:
+        log.print(f"ringtrain: {threads} BLAS thread(s) per rank ({spec.local_size} rank(s) on this host; "
+                  "set OMP_NUM_THREADS to choose)")
     step, epoch, step_in_epoch, streak = _resume(comm, cfg, run_dir, params, opt, log)
     problem = None
     try:

@@ -20,3 +20,13 @@ def test_taskspec_is_frozen():
     spec = TaskSpec()
     with pytest.raises(AttributeError):
         spec.rank = 3
+
+
+def test_threads_per_rank_is_a_fair_share_of_cores():
+    from ringtrain.topology import threads_per_rank
+
+    assert [threads_per_rank(8, n) for n in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
+
+
+def test_an_explicit_thread_variable_wins():
+    assert TaskSpec().limit_threads(environ={"OMP_NUM_THREADS": "3"}) is None
