@@ -4,8 +4,9 @@ Every function here is collective: every rank of ``comm`` must call the same
 functions, with arrays of the same length and dtype and the same ``op``, in
 the same order. Calls that disagree neither hang nor corrupt: each call
 starts with a header exchange that every rank completes whatever the
-arguments, and if any rank passed something different (or something it
-cannot use), every rank raises, naming both values.
+arguments (:mod:`ringtrain.header`), and if any rank passed something
+different (or something it cannot use), every rank raises, naming both
+values.
 
 How a call runs (``algorithm="auto"``):
 
@@ -14,7 +15,8 @@ How a call runs (``algorithm="auto"``):
   header carried in the same message as the data: one round trip at 2 ranks,
   the same as MPI's own ``Allreduce``, and the check costs nothing extra.
   At 2 ranks a NumPy call is replayed from a prepared plan
-  (:class:`_PairPlan`), so Python adds well under a microsecond.
+  (:class:`ringtrain.commstate.PairPlan`), so Python adds well under a
+  microsecond.
   (MPI's ``Allreduce`` cannot carry it: with mismatched counts its behaviour
   is undefined, so checking first would need a second collective, which
   doubles the time of a 4 KiB call.)
@@ -36,8 +38,9 @@ and a repeated call gives bitwise the same result.
 
 Buffers (staging for the header exchange, the ring's receive segments, the
 fusion buffer, pinned host copies of GPU arrays) belong to the communicator:
-they are cached on it with MPI attribute caching, grow to the largest size
-seen and are reused, so steady-state calls allocate nothing.
+they are cached on it with MPI attribute caching (:mod:`ringtrain.commstate`),
+grow to the largest size seen and are reused, so steady-state calls allocate
+nothing.
 
 CuPy arrays: the stream is synchronised before MPI touches a buffer. If
 mpi4py reports a CUDA-aware MPI (``MPI.Query_cuda_support``), device buffers
@@ -45,17 +48,16 @@ go to MPI directly; otherwise they are staged through reused pinned host
 buffers and reduced on the host.
 """
 
-import atexit
-import functools
 import operator
-import weakref
-import struct
 
 import numpy as np
 
 from . import backend
-from .errors import MismatchError, UsageError
-from .ring import doubling_schedule, ring_allreduce
+from .commstate import SMALL_BYTES, pair_plan, state_of
+from .errors import UsageError
+from .header import (ALGORITHM_CODE, ALGORITHMS, BROADCAST, COMBINE, DTYPE_CODE, DTYPES, OP_CODE, OPS,
+                     SIGNATURE_MASK, check_local, raise_mismatch)
+from .ring import ring_allreduce
 
 __all__ = [
     "allreduce",
@@ -75,11 +77,8 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
 ]
 
-# At or below this many bytes, "auto" uses recursive doubling with the header
-# in the same message; above it, the ring. Measured with
-# `ringtrain bench allreduce` at 2 ranks on the 2-core development machine
-# (MPICH 5, shared memory): doubling and ring cross between 32 and 64 KiB.
-SMALL_BYTES = 64 << 10
+# SMALL_BYTES (recursive doubling, the data in the header's message) lives in
+# ringtrain.commstate, beside the exchange buffers it sizes.
 # Below this many bytes (and above SMALL_BYTES), "auto" hands the data to
 # MPI's own Allreduce after the header check; from here up, the ring. At 2
 # ranks here, the ring lost to MPI by 15-60% from 128 KiB to 2 MiB, tied at
@@ -91,36 +90,6 @@ RING_BYTES = 4 << 20
 SEGMENT_BYTES = 1 << 20
 # Largest fused bucket in allreduce_many_.
 DEFAULT_BUCKET_BYTES = 8 << 20
-
-OPS = ("sum", "mean", "min", "max")
-ALGORITHMS = ("auto", "ring", "mpi", "hierarchical", "shm")
-
-_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
-_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
-_OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
-_BROADCAST = len(OPS) + 1
-_ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
-_COMBINE = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
-
-# Header fields, in the order a mismatch is reported (the most telling first).
-_FIELDS = ("problem", "narrays", "dtype", "length", "op", "algorithm", "root", "signature")
-_K = len(_FIELDS)
-_HEADER = struct.Struct(f"<{2 * _K}q")
-_HEADER_BYTES = _HEADER.size
-_TAG = 10
-_SIGNATURE_MASK = (1 << 62) - 1
-
-# Problems a rank can find in its own arguments; sent in the header so that
-# every rank raises, not just the one that found it.
-_PROBLEMS = {
-    1: "unsupported dtype",
-    2: "unknown op",
-    3: "unknown algorithm",
-    4: "the array is read-only",
-    5: "op 'mean' needs a floating-point dtype",
-    6: "root is outside the communicator",
-    7: "unknown compression",
-}
 
 
 def cuda_aware():
@@ -159,365 +128,26 @@ def plan_buckets(arrays, bucket_bytes):
     return buckets
 
 
-class _CommState:
-    """What ringtrain keeps on one communicator: its schedule and reused buffers."""
-
-    _keyval = None  # one MPI attribute key for the process, made on first use
-
-    def __init__(self, comm):
-        from mpi4py import MPI
-
-        self.MPI = MPI
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.doubling = doubling_schedule(self.rank, self.size)
-        self.cuda_aware = None  # asked on the first GPU array
-        self._arena = _UNSET  # the shared-memory arena, made by the first large call
-        self._buffers = {}
-        capacity = _HEADER_BYTES + SMALL_BYTES
-        self.send = np.empty(capacity, np.uint8)
-        self.recv = np.empty(capacity, np.uint8)
-        self.send_header = self.send[:_HEADER_BYTES].view(np.int64)
-        self.recv_header = self.recv[:_HEADER_BYTES].view(np.int64)
-        self.send_bytes, self.recv_bytes = memoryview(self.send), memoryview(self.recv)
-        self._header_only = [self.send[:_HEADER_BYTES], MPI.BYTE]
-        self._heard = [self.recv, MPI.BYTE]
-        # Small calls are latency-bound: Python's own overhead is a large part
-        # of a 4 KiB call, so packed headers and buffer views are made once.
-        self._packed = {}
-        self._views = {}
-        # Steady-state plans for small CPU calls at 2 ranks (see _PairPlan),
-        # keyed on everything the header says; None where no plan applies.
-        self.plans = {}
-
-    @classmethod
-    def of(cls, comm):
-        """The state cached on ``comm``, made on first use (Comm attribute caching)."""
-        if cls._keyval is None:
-            cls._keyval = comm.Create_keyval()
-        state = comm.Get_attr(cls._keyval)
-        if state is None:
-            state = cls(comm)
-            comm.Set_attr(cls._keyval, state)
-        return state
-
-    def arena(self):
-        """The :class:`ringtrain.shm.SharedArena` of this communicator, or None across hosts.
-
-        Collective on first use: the first large call makes it, and every rank
-        reaches that call at the same point, with the same size and algorithm.
-        """
-        if self._arena is _UNSET:
-            from .shm import SharedArena
-
-            self._arena = SharedArena.create(self.comm)
-        return self._arena
-
-    def free_arena(self):
-        """Release the shared-memory window, if any (collective)."""
-        if self._arena not in (_UNSET, None):
-            self._arena.free()
-        self._arena = _UNSET
-
-    def drop_plans(self):
-        """Forget the small-call plans and free their requests (before freeing the communicator)."""
-        for plan in self.plans.values():
-            if plan is not None:
-                plan.free()
-        self.plans.clear()
-
-    def buffer(self, name, nbytes, xp=np, pinned=False):
-        """A reused 1-D uint8 buffer of at least ``nbytes``; grows, never shrinks."""
-        key = (name, xp.__name__, pinned)
-        buf = self._buffers.get(key)
-        if buf is None or buf.size < nbytes:
-            size = max(nbytes, 1)
-            if pinned:
-                memory = xp.cuda.alloc_pinned_memory(size)
-                buf = np.frombuffer(memory, np.uint8, size)
-            else:
-                buf = xp.empty(size, np.uint8)
-            self._buffers[key] = buf
-        return buf
-
-    def views(self, dtype, count):
-        """(payload, message spec, received payload) for ``count`` elements of ``dtype``, cached."""
-        key = (dtype, count)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) > 1024:
-                self._views.clear()
-            end = _HEADER_BYTES + count * np.dtype(dtype).itemsize
-            views = self._views[key] = (self.send[_HEADER_BYTES:end].view(dtype),
-                                        [self.send[:end], self.MPI.BYTE],
-                                        self.recv[_HEADER_BYTES:end].view(dtype))
-        return views
-
-    def exchange(self, header, payload, combine, out):
-        """The header exchange, by recursive doubling, with an optional payload.
-
-        Every rank goes through the same rounds whatever its header says, and
-        receives into buffers with room for any header plus the largest small
-        payload, so disagreeing calls cannot truncate, overrun or hang. Each
-        rank keeps the elementwise minimum of ``[fields, -fields]`` over what
-        it has heard; a rank whose minimum still equals its own header heard
-        only agreement, and after the last round everyone has heard from
-        everyone.
-
-        Args:
-            header: ``_K`` ints.
-            payload: the payload view from :meth:`views`, in ``self.send`` after the header,
-                holding this rank's data, or None to send the header alone.
-            combine: ``f(a, b, out)`` applied lower rank first.
-            out: 1-D NumPy array the result is written to.
-
-        Returns:
-            ``(lowest, highest)`` field values over all ranks.
-        """
-        comm, rank = self.comm, self.rank
-        mine = self._packed.get(header)
-        if mine is None:
-            if len(self._packed) > 1024:  # bounded: headers repeat in training loops
-                self._packed.clear()
-            mine = self._packed[header] = _HEADER.pack(*header, *(-v for v in header))
-        self.send_bytes[:_HEADER_BYTES] = mine
-        if payload is None:
-            message, theirs = self._header_only, None
-        else:
-            message, theirs = self.views(payload.dtype, payload.size)[1:]
-        heard, received = self._heard, self.recv_bytes[:_HEADER_BYTES]
-        agreed = True
-        last = len(self.doubling) - 1
-        for step, (kind, peer) in enumerate(self.doubling):
-            if kind == "send":
-                comm.Send(message, peer, _TAG)
-                comm.Recv(heard, peer, _TAG)
-                agreed = received.tobytes() == mine
-                if agreed and payload is not None:
-                    out[...] = theirs
-                return self._verdict(agreed, self.recv_header)
-            if kind == "unfold":
-                comm.Send(message, peer, _TAG)
-                continue
-            if kind == "exchange":
-                comm.Sendrecv(message, peer, _TAG, heard, peer, _TAG)
-            else:
-                comm.Recv(heard, peer, _TAG)
-            if received.tobytes() != mine:
-                agreed = False
-                np.minimum(self.send_header, self.recv_header, out=self.send_header)
-            if agreed and payload is not None:
-                # On the last round (nothing left to pass on) write the result
-                # straight to its destination: one copy fewer.
-                target = out if step == last else payload
-                if peer < rank:
-                    combine(theirs, payload, out=target)
-                else:
-                    combine(payload, theirs, out=target)
-        if agreed and payload is not None and (last < 0 or self.doubling[last][0] == "unfold"):
-            out[...] = payload
-        return self._verdict(agreed, self.send_header)
-
-    def _verdict(self, agreed, header):
-        if agreed:
-            return None
-        values = header.tolist()
-        return values[:_K], [-v for v in values[_K:]]
-
-
-class _PairPlan:
-    """A small CPU call between exactly two ranks, prepared once and replayed.
-
-    The latency-bound case is dominated by Python, not by the wire: MPI's own
-    ``Allreduce`` of 4 KiB takes about 5 us here, and every microsecond of
-    argument parsing, header packing and view making shows. A plan holds a
-    preallocated message whose header is already written, the received
-    payload's view, the operands in rank order and a persistent send and
-    receive, so a repeated call is a dict lookup, one copy in, one exchange
-    (``Startall``/``Waitall``), a 128-byte comparison of the header heard
-    against our own, and one combine written straight into ``x``. Any
-    strides work: the copy in and the combine's ``out=`` both take them.
-    Measured at 2 ranks, 4 KiB float32 sum: MPI's ``Allreduce`` 4.1 us, a
-    bare mpi4py ``Sendrecv`` of the same message 2.6 us, this path 3.9-4.5 us.
-
-    The check is the same as :meth:`_CommState.exchange`'s: the receive
-    buffer has room for any header plus the largest small payload, so a
-    disagreeing peer cannot truncate, overrun or hang the call, and both
-    ranks see the disagreement because each compares the other's header.
-    """
-
-    __slots__ = ("who", "header", "mine", "payload", "operands", "message", "heard", "received", "requests",
-                 "startall", "waitall", "peer", "combine", "predivide", "divide_after", "two", "recv_header",
-                 "send_header", "__weakref__")
-
-    def __init__(self, state, who, header, dtype, shape, op):
-        count, nbytes = header[3], header[3] * dtype.itemsize
-        send = np.empty(_HEADER_BYTES + nbytes, np.uint8)
-        self.send_header = send[:_HEADER_BYTES].view(np.int64)
-        self.send_header[:] = header + tuple(-v for v in header)
-        self.who, self.header = who, header
-        self.mine = send[:_HEADER_BYTES].tobytes()
-        self.payload = send[_HEADER_BYTES:].view(dtype).reshape(shape)
-        theirs = state.recv[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).reshape(shape)
-        self.peer = 1 - state.rank
-        # The lower rank's operand first, as everywhere else: both ranks compute bitwise the same.
-        self.operands = (self.payload, theirs) if state.rank == 0 else (theirs, self.payload)
-        self.message = [send, state.MPI.BYTE]
-        self.heard = state._heard
-        self.received = state.recv_bytes[:_HEADER_BYTES]
-        self.recv_header = state.recv_header
-        # Persistent requests: MPI parses the buffers once, not on every call
-        # (0.4 us of a 4.6 us call here, against a plain Sendrecv). The receive
-        # is posted first and takes the whole receive buffer, as in exchange().
-        comm = state.comm
-        self.requests = [comm.Recv_init(self.heard, self.peer, _TAG), comm.Send_init(self.message, self.peer, _TAG)]
-        self.startall, self.waitall = state.MPI.Prequest.Startall, state.MPI.Request.Waitall
-        _live_plans.add(self)
-        combine = _COMBINE[op]
-        if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
-            combine = functools.partial(_combine_out, combine)
-        self.combine = combine
-        # float16 sums overflow easily: divide first, as _reduce_flat does.
-        self.predivide = op == "mean" and dtype == np.float16
-        self.divide_after = op == "mean" and not self.predivide
-        self.two = dtype.type(2)  # the rank count as a scalar of x's dtype: no conversion per call
-        assert count == self.payload.size
-
-    def free(self):
-        """Free the persistent requests (MPICH complains of inactive ones left at MPI_Finalize)."""
-        for request in self.requests:
-            if request:
-                request.Free()
-        _live_plans.discard(self)
-
-    def run(self, x):
-        """Reduce ``x`` (a NumPy array of the planned dtype and shape) in place; return it."""
-        # Positional out= and slice assignment: each ~0.3 us cheaper than the keyword and np.copyto.
-        payload = self.payload
-        payload[...] = x
-        if self.predivide:
-            np.divide(payload, self.two, payload)
-        requests = self.requests
-        self.startall(requests)
-        self.waitall(requests)
-        # tobytes() then compare: 40 ns; comparing memoryviews goes element by element (400 ns).
-        if self.received.tobytes() != self.mine:
-            lowest = np.minimum(self.send_header, self.recv_header).tolist()
-            _raise_mismatch(self.who, self.header, (lowest[:_K], [-v for v in lowest[_K:]]), None)
-        a, b = self.operands
-        self.combine(a, b, x)
-        if self.divide_after:
-            np.divide(x, self.two, x)
-        return x
-
-
-def _pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
-    """The :class:`_PairPlan` for this call, made on first use; None where the general path must run."""
-    key = (who, x.dtype, x.shape, op, algorithm, narrays, signature)
-    plans = state.plans
-    plan = plans.get(key, _NO_PLAN)
-    if plan is _NO_PLAN:
-        if len(plans) > 256:  # bounded: training loops repeat a few shapes
-            state.drop_plans()
-        dtype = np.dtype(x.dtype)
-        plan = None
-        if (state.size == 2 and type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
-                and op in _OP_CODE and dtype in _DTYPE_CODE and not (op == "mean" and dtype.kind != "f")):
-            header = (0, narrays, _DTYPE_CODE[dtype], x.size, _OP_CODE[op], _ALGORITHM_CODE[algorithm], 0,
-                      signature)
-            plan = _PairPlan(state, who, header, dtype, x.shape, op)
-        plans[key] = plan
-    return plan
-
-
-_NO_PLAN = object()
-_UNSET = object()
-_live_plans = weakref.WeakSet()
-
-
-@atexit.register
-def _free_plans():
-    # Python's atexit handlers run before mpi4py's MPI_Finalize.
-    if not _live_plans:
-        return
-    from mpi4py import MPI
-
-    if not MPI.Is_finalized():
-        for plan in list(_live_plans):
-            plan.free()
-
-
-def _combine_out(combine, a, b, out):
-    return combine(a, b, out=out)
-
-
-def _describe(field, value):
-    if field == "dtype":
-        return str(_DTYPES[value - 1]) if 0 < value <= len(_DTYPES) else "an unsupported dtype"
-    if field == "op":
-        names = OPS + ("broadcast",)
-        return repr(names[value - 1]) if 0 < value <= len(names) else "an unknown op"
-    if field == "algorithm":
-        return repr(ALGORITHMS[value - 1]) if 0 < value <= len(ALGORITHMS) else "an unknown algorithm"
-    if field == "length":
-        return f"{value} elements"
-    return str(value)
-
-
-def _raise_mismatch(who, header, verdict, local_problem):
-    lowest, highest = verdict
-    if highest[0] > 0:  # some rank found a problem with its own arguments
-        if local_problem:
-            raise UsageError(f"{who}: {local_problem}", everywhere=True)
-        raise UsageError(f"{who}: another rank could not take part: {_PROBLEMS.get(highest[0], 'error')}",
-                         everywhere=True)
-    for i, field in enumerate(_FIELDS):
-        if lowest[i] != highest[i]:
-            if field == "signature":
-                what = "lists of arrays with different shapes or dtypes"
-            else:
-                label = {"narrays": "numbers of arrays", "length": "lengths"}.get(field, field + "s")
-                what = f"different {label}: {_describe(field, lowest[i])} and {_describe(field, highest[i])}"
-                what += f" (this rank: {_describe(field, header[i])})"
-            raise MismatchError(f"{who}: ranks passed {what}; every rank must make the same calls, "
-                                "with matching arrays, in the same order")
-    raise MismatchError(f"{who}: ranks disagree on the call")  # pragma: no cover - unreachable
-
-
-def _check_local(flat, op, algorithm):
-    """(problem code, message) for this rank's own arguments; (0, None) when fine."""
-    dtype = flat.dtype
-    if dtype not in _DTYPE_CODE:
-        names = ", ".join(str(d) for d in _DTYPES)
-        return 1, f"unsupported dtype {dtype}; use one of {names}"
-    if op not in _OP_CODE:
-        return 2, f"unknown op {op!r}; choose one of {', '.join(OPS)}"
-    if algorithm not in _ALGORITHM_CODE:
-        return 3, f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
-    if op == "mean" and dtype.kind != "f":
-        return 5, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"
-    return 0, None
 
 
 def _reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem=(0, None)):
     """Reduce the 1-D contiguous ``flat`` in place across ``state.comm`` (collective)."""
-    code, message = problem if problem[0] else _check_local(flat, op, algorithm)
+    code, message = problem if problem[0] else check_local(flat, op, algorithm)
     if state.size == 1:
         if code:
             raise UsageError(f"{who}: {message}", everywhere=True)
         return flat
     dtype = flat.dtype
-    header = (code, narrays, _DTYPE_CODE.get(dtype, 0), flat.size, _OP_CODE.get(op, 0),
-              _ALGORITHM_CODE.get(algorithm, 0), 0, signature)
+    header = (code, narrays, DTYPE_CODE.get(dtype, 0), flat.size, OP_CODE.get(op, 0),
+              ALGORITHM_CODE.get(algorithm, 0), 0, signature)
     gpu = backend.is_gpu_array(flat)
-    combine = _COMBINE.get(op)
+    combine = COMBINE.get(op)
     small = code == 0 and algorithm == "auto" and flat.nbytes <= SMALL_BYTES
     # float16 sums overflow easily: divide first (as PyTorch DDP does) for fp16 only;
     # wider floats divide last, which is more accurate.
     predivide = code == 0 and op == "mean" and dtype == np.float16
     if small and not gpu and state.size == 2:
-        plan = _pair_plan(state, who, flat, op, algorithm, narrays, signature)
+        plan = pair_plan(state, who, flat, op, algorithm, narrays, signature)
         if plan is not None:
             return plan.run(flat)
     if small:
@@ -534,7 +164,7 @@ def _reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, proble
             np.divide(payload, state.size, out=payload)
         verdict = state.exchange(header, payload, combine, out)
         if verdict is not None:
-            _raise_mismatch(who, header, verdict, message)
+            raise_mismatch(who, header, verdict, message)
         if op == "mean" and not predivide:
             np.divide(out, state.size, out=out)
         if gpu:
@@ -543,7 +173,7 @@ def _reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, proble
         return flat
     verdict = state.exchange(header, None, None, None)
     if verdict is not None:
-        _raise_mismatch(who, header, verdict, message)
+        raise_mismatch(who, header, verdict, message)
     if code:  # every rank found the same problem
         raise UsageError(f"{who}: {message}", everywhere=True)
     if gpu:
@@ -572,7 +202,7 @@ def _reduce_large(state, flat, op, algorithm, predivide):
     if arena is not None:
         from .shm import shm_allreduce
 
-        shm_allreduce(arena, flat, _COMBINE[op])
+        shm_allreduce(arena, flat, COMBINE[op])
     elif algorithm == "mpi" or (algorithm == "auto" and flat.nbytes < RING_BYTES):
         MPI = state.MPI
         mpi_op = {"sum": MPI.SUM, "mean": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}[op]
@@ -585,7 +215,7 @@ def _reduce_large(state, flat, op, algorithm, predivide):
         reduce = ring_allreduce
         if algorithm == "hierarchical":
             from .hierarchical import hierarchical_reduce as reduce
-        reduce(state.comm, flat, getattr(xp, _COMBINE[op].__name__), stages, segment)
+        reduce(state.comm, flat, getattr(xp, COMBINE[op].__name__), stages, segment)
     if op == "mean" and not predivide:
         xp.divide(flat, state.size, out=flat)
         backend.synchronize(flat)
@@ -608,25 +238,7 @@ def _reduce_gpu(state, flat, op, algorithm, predivide):
     backend.synchronize(flat)
 
 
-_recent = (None, None)  # (comm, state) of the latest call; a tuple, so swapping it is atomic
 
-
-def _state(comm):
-    # Comm.Get_attr costs about half a microsecond, a tenth of a 4 KiB call:
-    # repeated calls on one communicator skip it.
-    global _recent
-    recent = _recent
-    if comm is recent[0] and comm is not None:
-        return recent[1]
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        if comm is recent[0]:
-            return recent[1]
-    state = _CommState.of(comm)
-    _recent = (comm, state)
-    return state
 
 
 def _writeable(x):
@@ -668,9 +280,9 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
             dtypes, ops or algorithms.
         UsageError: on every rank, when any rank's arguments are unusable.
     """
-    state = _state(comm)
+    state = state_of(comm)
     if state.size == 2 and type(x) is np.ndarray and x.flags.writeable:
-        plan = _pair_plan(state, "allreduce_", x, op, algorithm)
+        plan = pair_plan(state, "allreduce_", x, op, algorithm)
         if plan is not None:
             return plan.run(x)
     flat = _flat_view(x)
@@ -695,7 +307,7 @@ def allreduce(x, op="mean", comm=None, algorithm="auto"):
     """
     xp = backend.get_array_module(x)
     result = xp.array(x, copy=True, order="C")
-    _reduce_flat(_state(comm), "allreduce", result.reshape(-1), op, algorithm)
+    _reduce_flat(state_of(comm), "allreduce", result.reshape(-1), op, algorithm)
     return result
 
 
@@ -729,7 +341,7 @@ def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, algorithm="
     Returns:
         ``arrays`` itself, each array holding its result.
     """
-    state = _state(comm)
+    state = state_of(comm)
     items = list(arrays.values()) if isinstance(arrays, dict) else list(arrays)
     bucket_bytes, signature, problem = _list_checks(items, bucket_bytes, compression)
     who = "allreduce_many_"
@@ -774,14 +386,14 @@ def _list_checks(items, bucket_bytes, compression):
     if compression not in COMPRESSIONS:
         problem = (7, f"unknown compression {compression!r}; choose None or 'fp16'")
     for a in items:
-        if np.dtype(a.dtype) not in _DTYPE_CODE:
-            problem = (1, f"unsupported dtype {a.dtype}; use one of {', '.join(str(d) for d in _DTYPES)}")
+        if np.dtype(a.dtype) not in DTYPE_CODE:
+            problem = (1, f"unsupported dtype {a.dtype}; use one of {', '.join(str(d) for d in DTYPES)}")
         elif not _writeable(a):
             problem = (4, "an array in the list is read-only; pass writeable arrays")
-    shapes = tuple((a.shape, _DTYPE_CODE.get(np.dtype(a.dtype), 0)) for a in items)
+    shapes = tuple((a.shape, DTYPE_CODE.get(np.dtype(a.dtype), 0)) for a in items)
     # Only ints and tuples: str hashes differ between processes (PYTHONHASHSEED).
     code = COMPRESSIONS.index(compression) if compression in COMPRESSIONS else len(COMPRESSIONS)
-    signature = hash((shapes, code)) & _SIGNATURE_MASK
+    signature = hash((shapes, code)) & SIGNATURE_MASK
     return bucket_bytes, signature, problem
 
 
@@ -840,14 +452,14 @@ def broadcast_(x, root=0, comm=None):
     Returns:
         ``x``.
     """
-    state = _state(comm)
+    state = state_of(comm)
     dtype = np.dtype(x.dtype)
     try:
         root = operator.index(root)
     except TypeError:
         root = -1
     code, message = 0, None
-    if dtype not in _DTYPE_CODE:
+    if dtype not in DTYPE_CODE:
         code, message = 1, f"unsupported dtype {dtype}"
     elif not _writeable(x):
         code, message = 4, "the array is read-only"
@@ -857,11 +469,11 @@ def broadcast_(x, root=0, comm=None):
         if code:
             raise UsageError(f"broadcast_: {message}", everywhere=True)
         return x
-    header = (code, 1, _DTYPE_CODE.get(dtype, 0), x.size, _BROADCAST, 0,
+    header = (code, 1, DTYPE_CODE.get(dtype, 0), x.size, BROADCAST, 0,
               root, 0)
     verdict = state.exchange(header, None, None, None)
     if verdict is not None:
-        _raise_mismatch("broadcast_", header, verdict, message)
+        raise_mismatch("broadcast_", header, verdict, message)
     if code:
         raise UsageError(f"broadcast_: {message}", everywhere=True)
     MPI = state.MPI

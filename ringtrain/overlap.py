@@ -39,7 +39,8 @@ import threading
 import numpy as np
 
 from . import backend
-from .collectives import _CommState, _compressed, _list_checks, _reduce_bucket, pack, plan_buckets, unpack
+from .collectives import _compressed, _list_checks, _reduce_bucket, pack, plan_buckets, unpack
+from .commstate import CommState
 from .errors import UsageError
 from .failure import agree
 
@@ -98,7 +99,7 @@ class Reducer:
         self.bucket_bytes, self.signature, problem = _list_checks(items, bucket_bytes, compression)
         agree(comm, f"Reducer: {problem[1]}" if problem[0] else None)
         self.comm = comm.Dup()
-        self.state = _CommState.of(self.comm)
+        self.state = CommState.of(self.comm)
         self.op, self.algorithm, self.compression = op, algorithm, compression
         self.trace = trace
         self.names, self.arrays = names, items

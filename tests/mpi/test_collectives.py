@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain import backend
-from ringtrain.collectives import SMALL_BYTES, _CommState, allreduce, allreduce_, allreduce_many_, broadcast_
+from ringtrain.collectives import SMALL_BYTES, allreduce, allreduce_, allreduce_many_, broadcast_
+from ringtrain.commstate import CommState
 from ringtrain.errors import MismatchError, UsageError
 
 comm = MPI.COMM_WORLD
@@ -145,7 +146,7 @@ def test_fused_list_of_mixed_shapes_and_dtypes(xp):
         out = allreduce_many_([g.copy() for g in grads], "sum", comm, bucket_bytes=bucket_bytes)
         results.append(all(close(o, w, o.dtype) and o.shape == w.shape for o, w in zip(out, want)))
     # The fusion buffer lives on the communicator and is reused: no new buffers second time.
-    state = _CommState.of(comm)
+    state = CommState.of(comm)
     allreduce_many_([g.copy() for g in grads], "sum", comm, bucket_bytes=1 << 20)
     buffers = {k: id(v) for k, v in state._buffers.items()}
     allreduce_many_([g.copy() for g in grads], "sum", comm, bucket_bytes=1 << 20)

@@ -1,0 +1,144 @@
+"""The header every collective call starts with, and what a mismatch says.
+
+Every collective in :mod:`ringtrain.collectives` (and the
+:class:`ringtrain.overlap.Reducer`'s buckets) begins with a header exchange
+that every rank completes whatever its arguments. The header is
+``NFIELDS`` ints, one per entry of :data:`FIELDS`: a problem code (nonzero
+when this rank found its own arguments unusable, from :data:`PROBLEMS`), the
+number of arrays, the dtype, length, op and algorithm codes, the broadcast
+root, and a signature (a hash of every shape and dtype of a list reduction,
+and its compression).
+
+On the wire a header is packed as ``[fields, -fields]`` (:data:`HEADER`,
+:data:`HEADER_BYTES`). Each rank keeps the elementwise minimum of what it has
+heard, so after the exchange it holds the lowest and the highest value of
+every field over all ranks; a rank whose minimum still equals its own header
+heard only agreement. Calls that disagree therefore neither hang nor
+corrupt: if any rank passed something different (or something it cannot
+use), every rank raises (:func:`raise_mismatch`), naming both values.
+
+A small call carries its data in the same message, after the header, so the
+check costs no extra round trip; a larger call sends the header alone first.
+
+This module is pure: the tables and messages, no MPI. The exchange itself is
+:meth:`ringtrain.commstate.CommState.exchange`.
+"""
+
+import struct
+
+import numpy as np
+
+from .errors import MismatchError, UsageError
+
+__all__ = [
+    "OPS",
+    "ALGORITHMS",
+    "DTYPES",
+    "DTYPE_CODE",
+    "OP_CODE",
+    "BROADCAST",
+    "ALGORITHM_CODE",
+    "COMBINE",
+    "FIELDS",
+    "NFIELDS",
+    "HEADER",
+    "HEADER_BYTES",
+    "TAG",
+    "SIGNATURE_MASK",
+    "PROBLEMS",
+    "raise_mismatch",
+    "check_local",
+]
+
+OPS = ("sum", "mean", "min", "max")
+ALGORITHMS = ("auto", "ring", "mpi", "hierarchical", "shm")
+
+DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
+DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
+OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
+BROADCAST = len(OPS) + 1  # the op code broadcast_ sends
+ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
+COMBINE = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
+
+# Header fields, in the order a mismatch is reported (the most telling first).
+FIELDS = ("problem", "narrays", "dtype", "length", "op", "algorithm", "root", "signature")
+NFIELDS = len(FIELDS)
+HEADER = struct.Struct(f"<{2 * NFIELDS}q")
+HEADER_BYTES = HEADER.size
+TAG = 10  # the message tag of every header exchange
+SIGNATURE_MASK = (1 << 62) - 1
+
+# Problems a rank can find in its own arguments; sent in the header so that
+# every rank raises, not just the one that found it.
+PROBLEMS = {
+    1: "unsupported dtype",
+    2: "unknown op",
+    3: "unknown algorithm",
+    4: "the array is read-only",
+    5: "op 'mean' needs a floating-point dtype",
+    6: "root is outside the communicator",
+    7: "unknown compression",
+}
+
+
+def _describe(field, value):
+    """``value`` of header field ``field``, as a mismatch message names it."""
+    if field == "dtype":
+        return str(DTYPES[value - 1]) if 0 < value <= len(DTYPES) else "an unsupported dtype"
+    if field == "op":
+        names = OPS + ("broadcast",)
+        return repr(names[value - 1]) if 0 < value <= len(names) else "an unknown op"
+    if field == "algorithm":
+        return repr(ALGORITHMS[value - 1]) if 0 < value <= len(ALGORITHMS) else "an unknown algorithm"
+    if field == "length":
+        return f"{value} elements"
+    return str(value)
+
+
+def raise_mismatch(who, header, verdict, local_problem):
+    """Raise, on every rank, the error that a disagreeing header exchange means.
+
+    Args:
+        who: the public function's name, which starts the message.
+        header: this rank's header (``NFIELDS`` ints).
+        verdict: ``(lowest, highest)`` field values over all ranks.
+        local_problem: this rank's own message for its problem code, or None.
+
+    Raises:
+        UsageError: when some rank found a problem with its own arguments
+            (this rank's message if it was one of them).
+        MismatchError: otherwise, naming the first field that differs.
+    """
+    lowest, highest = verdict
+    if highest[0] > 0:  # some rank found a problem with its own arguments
+        if local_problem:
+            raise UsageError(f"{who}: {local_problem}", everywhere=True)
+        raise UsageError(f"{who}: another rank could not take part: {PROBLEMS.get(highest[0], 'error')}",
+                         everywhere=True)
+    for i, field in enumerate(FIELDS):
+        if lowest[i] != highest[i]:
+            if field == "signature":
+                what = "lists of arrays with different shapes or dtypes"
+            else:
+                label = {"narrays": "numbers of arrays", "length": "lengths"}.get(field, field + "s")
+                what = f"different {label}: {_describe(field, lowest[i])} and {_describe(field, highest[i])}"
+                what += f" (this rank: {_describe(field, header[i])})"
+            raise MismatchError(f"{who}: ranks passed {what}; every rank must make the same calls, "
+                                "with matching arrays, in the same order")
+    raise MismatchError(f"{who}: ranks disagree on the call")  # pragma: no cover - unreachable
+
+
+def check_local(flat, op, algorithm):
+    """(problem code, message) for this rank's own arguments; (0, None) when fine."""
+    dtype = flat.dtype
+    if dtype not in DTYPE_CODE:
+        names = ", ".join(str(d) for d in DTYPES)
+        return 1, f"unsupported dtype {dtype}; use one of {names}"
+    if op not in OP_CODE:
+        return 2, f"unknown op {op!r}; choose one of {', '.join(OPS)}"
+    if algorithm not in ALGORITHM_CODE:
+        return 3, f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+    if op == "mean" and dtype.kind != "f":
+        return 5, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"
+    return 0, None
+
