@@ -58,6 +58,7 @@ from .errors import UsageError
 from .header import (ALGORITHM_CODE, ALGORITHMS, BROADCAST, COMBINE, DTYPE_CODE, DTYPES, OP_CODE, OPS,
                      SIGNATURE_MASK, check_local, raise_mismatch)
 from .ring import ring_allreduce
+from .shm import SINGLE_BLOCK_BYTES, shm_allreduce
 
 __all__ = [
     "allreduce",
@@ -192,16 +193,12 @@ def _reduce_large(state, flat, op, algorithm, predivide):
     # "auto" takes shared memory only where it fits one block: past that it
     # needs a barrier per block, and on a busy host one late rank makes every
     # barrier wait (the pipelined ring tolerates that far better).
-    from .shm import SINGLE_BLOCK_BYTES
-
     wants_shm = algorithm == "shm" or (algorithm == "auto" and flat.nbytes <= SINGLE_BLOCK_BYTES)
     arena = state.arena() if wants_shm and xp is np else None
     if algorithm == "shm" and arena is None:
         raise UsageError("algorithm 'shm' needs every rank on one host; use 'auto', 'ring' or 'hierarchical'",
                          everywhere=True)
     if arena is not None:
-        from .shm import shm_allreduce
-
         shm_allreduce(arena, flat, COMBINE[op])
     elif algorithm == "mpi" or (algorithm == "auto" and flat.nbytes < RING_BYTES):
         MPI = state.MPI

@@ -34,21 +34,29 @@ def test_info_reports_two_nodes_with_their_host_names(cluster, tmp_path):  # noq
     assert "-f " in result.stderr and "ringtrain launch: " in result.stderr, show(result)
 
 
-def test_ring_allreduce_across_hosts_matches_mpi_and_crosses_the_network(cluster):  # noqa: F811
-    n = 1 << 18  # 2 MiB of float64 per rank
+def allreduce_across_hosts(cluster, n, algorithm="ring"):
+    """Run the allreduce program on 2 hosts x 2 ranks; check it against MPI.
+
+    Returns the program's report and the bytes each host received over its veth link.
+    """
     before = {h: cluster.iface_bytes(h) for h in cluster.names}
-    result = cluster.run(4, [sys.executable, PROGRAM, str(n)], timeout=90)
+    result = cluster.run(4, [sys.executable, PROGRAM, str(n), algorithm], timeout=90)
     after = {h: cluster.iface_bytes(h) for h in cluster.names}
     assert result.returncode == 0, show(result)
     report = json.loads(result.stdout)
     assert [r["host"] for r in report["ranks"]] == ["h1", "h1", "h2", "h2"]
     for r in report["ranks"]:
         assert r["error"] <= 1e-12 * max(1.0, report["scale"]), r
+    return report, {h: after[h][0] - before[h][0] for h in cluster.names}
+
+
+def test_ring_allreduce_across_hosts_matches_mpi_and_crosses_the_network(cluster):  # noqa: F811
+    n = 1 << 18  # 2 MiB of float64 per rank
+    _, received = allreduce_across_hosts(cluster, n)
     # Each host must have received at least one rank's share of the data over
     # its veth link: the job did not go through shared memory.
-    for host in cluster.names:
-        received = after[host][0] - before[host][0]
-        assert received > n * 8, f"{host} received only {received} bytes over the virtual network"
+    for host, count in received.items():
+        assert count > n * 8, f"{host} received only {count} bytes over the virtual network"
 
 
 def test_per_rank_logs_come_from_each_host(cluster, tmp_path):  # noqa: F811
@@ -69,22 +77,14 @@ def test_exit_status_of_a_remote_rank_reaches_the_launcher(cluster):  # noqa: F8
 
 def test_hierarchical_allreduce_across_hosts_matches_mpi_and_only_leaders_cross(cluster):  # noqa: F811
     n = 1 << 18  # 2 MiB of float64 per rank
-    before = {h: cluster.iface_bytes(h) for h in cluster.names}
-    result = cluster.run(4, [sys.executable, PROGRAM, str(n), "hierarchical"], timeout=90)
-    after = {h: cluster.iface_bytes(h) for h in cluster.names}
-    assert result.returncode == 0, show(result)
-    report = json.loads(result.stdout)
-    assert [r["host"] for r in report["ranks"]] == ["h1", "h1", "h2", "h2"]
-    for r in report["ranks"]:
-        assert r["error"] <= 1e-12 * max(1.0, report["scale"]), r
+    report, received = allreduce_across_hosts(cluster, n, "hierarchical")
     assert len({r["digest"] for r in report["ranks"]}) == 1, "ranks hold different results"
     # Only the two leaders exchange data: each host receives the vector once
     # (half in the reduce-scatter, half in the allgather), plus MPI's own
     # Allreduce of the reference, where the flat ring's 4-rank loop would
     # bring in 1.5 vectors on top of that.
-    for host in cluster.names:
-        received = after[host][0] - before[host][0]
-        assert n * 8 < received < (2 + 0.3) * n * 8, f"{host} received {received} bytes"
+    for host, count in received.items():
+        assert n * 8 < count < (2 + 0.3) * n * 8, f"{host} received {count} bytes"
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
