@@ -39,22 +39,49 @@ class Optimizer:
     """Base class: state buffers shaped like the parameters, saved as flat NumPy dicts.
 
     Subclasses list their per-parameter buffers in ``self._slots`` (slot name
-    -> dict name -> array) and any scalar counters in ``self._scalars``.
+    -> dict name -> array) and any scalar counters in ``self._scalars``, and
+    write the update once, elementwise, in :meth:`_update`.
+
+    When every parameter has one dtype, each slot is one flat array laid out
+    in ``order`` (default: the order of ``params``) and the per-name arrays
+    are views into it. :meth:`step_slice` then updates any contiguous range
+    of that layout, which is how a rank updates only its shard of the
+    parameters (:mod:`ringtrain.zero`). The update is elementwise, so a
+    range updated by :meth:`step_slice` is bitwise what :meth:`step` gives.
     """
 
-    def __init__(self, params):
+    def __init__(self, params, order=None):
         if not params:
             raise ValueError("cannot optimise an empty parameter dict")
         self.names = tuple(params)
+        self.order = tuple(order) if order is not None else self.names
+        if sorted(self.order) != sorted(self.names):
+            raise ValueError(f"order must name each parameter once: got {list(self.order)} for {list(self.names)}")
         self.xp = backend.get_array_module(next(iter(params.values())))
+        self._shapes = {name: tuple(params[name].shape) for name in self.names}
+        dtypes = {params[name].dtype for name in self.names}
+        self._dtype = dtypes.pop() if len(dtypes) == 1 else None
         self._slots = {}
+        self._flat = {}  # slot name -> its flat array (only with one dtype)
         self._scalars = {}
-        # One scratch array per parameter so a step never allocates and never
-        # overwrites the caller's gradients (the trainer may still log them).
-        self._tmp = self._zeros_like(params)
+        # Scratch space so a step never allocates and never overwrites the
+        # caller's gradients (the trainer may still log them).
+        self._tmp_flat, self._tmp = self._state_like(params)
 
-    def _zeros_like(self, params):
-        return {name: self.xp.zeros_like(params[name]) for name in self.names}
+    def _state_like(self, params):
+        """Zeros shaped like ``params``: ``(flat array or None, name -> array)``."""
+        if self._dtype is None:
+            return None, {name: self.xp.zeros_like(params[name]) for name in self.names}
+        flat = self.xp.zeros(sum(math.prod(self._shapes[n]) for n in self.order), dtype=self._dtype)
+        views, offset = {}, 0
+        for name in self.order:
+            size = math.prod(self._shapes[name])
+            views[name] = flat[offset:offset + size].reshape(self._shapes[name])
+            offset += size
+        return flat, {name: views[name] for name in self.names}
+
+    def _add_slot(self, slot, params):
+        self._flat[slot], self._slots[slot] = self._state_like(params)
 
     def _check(self, params, grads):
         if params.keys() != grads.keys() or tuple(params) != self.names:
@@ -63,9 +90,48 @@ class Optimizer:
                 f"got {list(params)} and {list(grads)}"
             )
 
+    def _begin(self, lr):
+        """Per-step constants for :meth:`_update` (and any step counter); called once per step."""
+        return None
+
+    def _update(self, p, g, tmp, state, lr, constants):
+        """Update ``p`` in place from ``g``, elementwise; ``state`` maps slot -> array like ``p``."""
+        raise NotImplementedError
+
     def step(self, params, grads, lr):
         """Update ``params`` in place from ``grads`` with learning rate ``lr``."""
-        raise NotImplementedError
+        self._check(params, grads)
+        lr = float(lr)
+        constants = self._begin(lr)
+        for name in self.names:
+            state = {slot: arrays[name] for slot, arrays in self._slots.items()}
+            self._update(params[name], grads[name], self._tmp[name], state, lr, constants)
+
+    def step_slice(self, p, g, lr, start, stop):
+        """Update elements ``[start, stop)`` of the flat layout: ``p`` and ``g`` are those elements.
+
+        ``p`` and ``g`` are 1-D arrays of ``stop - start`` elements (slices of
+        a flat parameter and gradient buffer laid out in ``self.order``). Only
+        this range of the state advances; scalar counters advance as in :meth:`step`.
+        """
+        if self._tmp_flat is None:
+            raise ValueError("step_slice needs every parameter to have the same dtype")
+        if not 0 <= start <= stop <= self._tmp_flat.size or p.shape != (stop - start,) or g.shape != p.shape:
+            raise ValueError(f"step_slice: range [{start}, {stop}) and arrays of shape {p.shape} and {g.shape} "
+                             f"do not fit a layout of {self._tmp_flat.size} elements")
+        lr = float(lr)
+        constants = self._begin(lr)
+        state = {slot: flat[start:stop] for slot, flat in self._flat.items()}
+        self._update(p, g, self._tmp_flat[start:stop], state, lr, constants)
+
+    @property
+    def flat(self):
+        """True when the state is laid out flat (every parameter has one dtype): :meth:`step_slice` works."""
+        return self._tmp_flat is not None
+
+    def flat_state(self):
+        """The flat state arrays, one per slot, laid out in ``self.order`` (empty without one dtype)."""
+        return list(self._flat.values()) if self._tmp_flat is not None else []
 
     def state_dict(self):
         """Return the state as a flat dict of NumPy arrays (copies), e.g. ``"momentum/fc1.weight"``."""
@@ -117,8 +183,8 @@ class SGD(Optimizer):
     coupled (added to the gradient), as in classic SGD.
     """
 
-    def __init__(self, params, momentum=0.9, weight_decay=0.0, nesterov=False):
-        super().__init__(params)
+    def __init__(self, params, momentum=0.9, weight_decay=0.0, nesterov=False, order=None):
+        super().__init__(params, order)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if weight_decay < 0:
@@ -127,30 +193,27 @@ class SGD(Optimizer):
             raise ValueError("nesterov needs a momentum above 0")
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), nesterov
         if self.momentum:
-            self._slots["momentum"] = self._zeros_like(params)
+            self._add_slot("momentum", params)
 
-    def step(self, params, grads, lr):
-        self._check(params, grads)
-        xp, lr, mu, wd = self.xp, float(lr), self.momentum, self.weight_decay
-        for name in self.names:
-            p, g, tmp, rate = params[name], grads[name], self._tmp[name], lr
-            if wd:
-                xp.multiply(p, wd, out=tmp)
-                tmp += g
-                g = tmp
-            if mu:
-                buf = self._slots["momentum"][name]
-                buf *= mu
-                buf += g
-                if self.nesterov:
-                    # p -= lr * (g + mu * buf), in two passes since tmp may hold g.
-                    xp.multiply(g, lr, out=tmp)
-                    p -= tmp
-                    g, rate = buf, lr * mu
-                else:
-                    g = buf
-            xp.multiply(g, rate, out=tmp)
-            p -= tmp
+    def _update(self, p, g, tmp, state, lr, constants):
+        xp, mu, wd, rate = self.xp, self.momentum, self.weight_decay, lr
+        if wd:
+            xp.multiply(p, wd, out=tmp)
+            tmp += g
+            g = tmp
+        if mu:
+            buf = state["momentum"]
+            buf *= mu
+            buf += g
+            if self.nesterov:
+                # p -= lr * (g + mu * buf), in two passes since tmp may hold g.
+                xp.multiply(g, lr, out=tmp)
+                p -= tmp
+                g, rate = buf, lr * mu
+            else:
+                g = buf
+        xp.multiply(g, rate, out=tmp)
+        p -= tmp
 
 
 class Adam(Optimizer):
@@ -161,8 +224,8 @@ class Adam(Optimizer):
     The step count is saved as ``"adam.step"``.
     """
 
-    def __init__(self, params, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        super().__init__(params)
+    def __init__(self, params, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, order=None):
+        super().__init__(params, order)
         b1, b2 = betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must each be in [0, 1), got {tuple(betas)}")
@@ -171,44 +234,44 @@ class Adam(Optimizer):
         if weight_decay < 0:
             raise ValueError(f"weight_decay must be at least 0, got {weight_decay}")
         self.betas, self.eps, self.weight_decay = (float(b1), float(b2)), float(eps), float(weight_decay)
-        self._slots["adam.m"] = self._zeros_like(params)
-        self._slots["adam.v"] = self._zeros_like(params)
+        self._add_slot("adam.m", params)
+        self._add_slot("adam.v", params)
         self._scalars["adam.step"] = 0
 
-    def step(self, params, grads, lr):
-        self._check(params, grads)
-        xp, lr = self.xp, float(lr)
-        (b1, b2), eps, wd = self.betas, self.eps, self.weight_decay
+    def _begin(self, lr):
+        b1, b2 = self.betas
         t = self._scalars["adam.step"] = self._scalars["adam.step"] + 1
-        step_size = lr / (1.0 - b1**t)
-        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - b2**t)
-        for name in self.names:
-            p, g, tmp = params[name], grads[name], self._tmp[name]
-            m, v = self._slots["adam.m"][name], self._slots["adam.v"][name]
-            if wd:
-                p *= 1.0 - lr * wd
-            m *= b1
-            xp.multiply(g, 1.0 - b1, out=tmp)
-            m += tmp
-            v *= b2
-            xp.multiply(g, g, out=tmp)
-            tmp *= 1.0 - b2
-            v += tmp
-            xp.sqrt(v, out=tmp)
-            tmp *= inv_sqrt_bc2
-            tmp += eps
-            xp.divide(m, tmp, out=tmp)
-            tmp *= step_size
-            p -= tmp
+        return lr / (1.0 - b1**t), 1.0 / math.sqrt(1.0 - b2**t)  # step size, 1 / sqrt(bias correction 2)
+
+    def _update(self, p, g, tmp, state, lr, constants):
+        xp, (b1, b2), eps, wd = self.xp, self.betas, self.eps, self.weight_decay
+        step_size, inv_sqrt_bc2 = constants
+        m, v = state["adam.m"], state["adam.v"]
+        if wd:
+            p *= 1.0 - lr * wd
+        m *= b1
+        xp.multiply(g, 1.0 - b1, out=tmp)
+        m += tmp
+        v *= b2
+        xp.multiply(g, g, out=tmp)
+        tmp *= 1.0 - b2
+        v += tmp
+        xp.sqrt(v, out=tmp)
+        tmp *= inv_sqrt_bc2
+        tmp += eps
+        xp.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        p -= tmp
 
 
 def build_optimizer(name, params, lr, momentum=0.9, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                    nesterov=False):
+                    nesterov=False, order=None):
     """Build optimiser ``name`` ("sgd" or "adam") for ``params``.
 
     ``lr`` is checked here but passed to every :meth:`Optimizer.step`, since
     the schedule changes it; ``momentum`` and ``nesterov`` apply to SGD,
-    ``betas`` and ``eps`` to Adam.
+    ``betas`` and ``eps`` to Adam. ``order`` lays the state out flat in that
+    order of names (see :class:`Optimizer`).
 
     Raises:
         ValueError: for an unknown name or an out-of-range setting.
@@ -218,8 +281,8 @@ def build_optimizer(name, params, lr, momentum=0.9, weight_decay=0.0, betas=(0.9
     if not lr > 0:
         raise ValueError(f"learning rate must be above 0, got {lr}")
     if name == "sgd":
-        return SGD(params, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-    return Adam(params, betas=betas, eps=eps, weight_decay=weight_decay)
+        return SGD(params, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, order=order)
+    return Adam(params, betas=betas, eps=eps, weight_decay=weight_decay, order=order)
 
 
 OPTIMIZERS = {"sgd": SGD, "adam": Adam}

@@ -189,3 +189,77 @@ def test_linear_scaling_is_off_by_default():
     assert scaled_lr(0.1, 1, enabled=True) == 0.1
     with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
         scaled_lr(0.1, 0, enabled=True)
+
+
+# -- the flat layout and step_slice (what the sharded step uses) ----------------
+
+SLICE_CASES = [
+    ("sgd", dict(momentum=0.9)),
+    ("sgd", dict(momentum=0.9, weight_decay=0.01, nesterov=True)),
+    ("sgd", dict(momentum=0.0)),
+    ("adam", dict(weight_decay=0.05)),
+]
+
+
+def flat_copy(params, order):
+    """``params`` copied into one flat buffer laid out in ``order``: (buffer, name -> view)."""
+    flat = np.concatenate([params[k].ravel() for k in order])
+    views, offset = {}, 0
+    for k in order:
+        views[k] = flat[offset:offset + params[k].size].reshape(params[k].shape)
+        offset += params[k].size
+    return flat, {k: views[k] for k in params}
+
+
+@pytest.mark.parametrize("name, settings", SLICE_CASES)
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7])
+def test_step_slice_over_any_cut_of_the_layout_is_bitwise_the_whole_step(name, settings, pieces):
+    # As the sharded step uses it: one optimizer per piece (per rank), each
+    # updating only its range of one shared flat buffer, once per step.
+    params = make_params(seed=3, dtype=np.float32)
+    order = list(reversed(params))  # the MLP's backward order
+    whole = {k: p.copy() for k, p in params.items()}
+    whole_opt = build_optimizer(name, whole, lr=0.1, **settings)
+    flat_p, sliced = flat_copy(params, order)
+    cuts = np.linspace(0, flat_p.size, pieces + 1).astype(int)
+    opts = [build_optimizer(name, sliced, lr=0.1, order=order, **settings) for _ in range(pieces)]
+    for t in range(4):
+        grads = grads_for(t, params)
+        whole_opt.step(whole, grads, 0.1 * (t + 1))
+        flat_g, _ = flat_copy(grads, order)
+        for opt, a, b in zip(opts, cuts, cuts[1:]):
+            opt.step_slice(flat_p[a:b], flat_g[a:b], 0.1 * (t + 1), a, b)
+    for k in params:
+        assert np.array_equal(sliced[k], whole[k]), k
+    expected = whole_opt.state_dict()
+    slots = sorted({key.split("/")[0] for key in expected if "/" in key})
+    for opt, a, b in zip(opts, cuts, cuts[1:]):
+        state = opt.state_dict()
+        assert state.keys() == expected.keys()
+        for slot, mine in zip(slots, opt.flat_state()):
+            reference, _ = flat_copy({k: expected[f"{slot}/{k}"] for k in params}, order)
+            assert np.array_equal(mine[a:b], reference[a:b]), slot
+        for key in expected:
+            if "/" not in key:  # scalar counters (Adam's step)
+                assert state[key] == expected[key], key
+
+
+def test_flat_state_is_laid_out_in_the_given_order():
+    params = make_params(dtype=np.float32)
+    opt = build_optimizer("adam", params, lr=0.1, order=["fc1.bias", "fc1.weight"])
+    m = opt.flat_state()[0]
+    opt.load_state_dict({**opt.state_dict(), "adam.m/fc1.bias": np.arange(3, dtype=np.float32)})
+    assert opt.flat and m.size == 15 and list(m[:3]) == [0, 1, 2]
+
+
+def test_step_slice_needs_one_dtype_and_a_range_that_fits():
+    mixed = {"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float64)}
+    opt = build_optimizer("sgd", mixed, lr=0.1)
+    assert not opt.flat and opt.flat_state() == []
+    with pytest.raises(ValueError, match="same dtype"):
+        opt.step_slice(np.zeros(3, np.float32), np.zeros(3, np.float32), 0.1, 0, 3)
+    flat = build_optimizer("sgd", make_params(dtype=np.float32), lr=0.1)
+    with pytest.raises(ValueError, match="do not fit"):
+        flat.step_slice(np.zeros(4, np.float32), np.zeros(4, np.float32), 0.1, 13, 17)
+    with pytest.raises(ValueError, match="name each parameter once"):
+        build_optimizer("sgd", make_params(), lr=0.1, order=["fc1.bias"])
