@@ -126,8 +126,11 @@ class MLP(Model):
     array objects on every call, overwritten each time (the trainer reduces
     them in place; copy them to keep them). They are views into one flat
     array, :attr:`grad_buffer`, laid out in the order ``on_grad`` delivers
-    them, so a run of consecutive gradients is one contiguous slice.
-    Activations are kept per batch size and reused across steps.
+    them, so a run of consecutive gradients is one contiguous slice. The
+    parameters are views into :attr:`param_buffer`, laid out the same way,
+    so element ``i`` of one buffer is the gradient of element ``i`` of the
+    other (a rank updating a range of the parameters reads that range of the
+    gradients). Activations are kept per batch size and reused across steps.
     """
 
     def __init__(self, sizes, xp=np, seed=0, dtype=np.float32):
@@ -142,17 +145,14 @@ class MLP(Model):
             std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
             host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
             host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
-        # Drawn on the host in float64, then cast and moved, so CPU and GPU runs start identical.
-        self.params = {name: xp.asarray(a.astype(self.dtype)) for name, a in host.items()}
-        self.grad_buffer = xp.zeros(sum(a.size for a in host.values()), dtype=self.dtype)
-        self.grads = {}
-        offset = 0
-        for name in reversed(self.params):
-            shape = self.params[name].shape
-            size = int(np.prod(shape))
-            self.grads[name] = self.grad_buffer[offset:offset + size].reshape(shape)
-            offset += size
-        self.grads = {name: self.grads[name] for name in self.params}  # params' order
+        total = sum(a.size for a in host.values())
+        self.param_buffer = xp.zeros(total, dtype=self.dtype)
+        self.grad_buffer = xp.zeros(total, dtype=self.dtype)
+        self.params = _views(self.param_buffer, {name: a.shape for name, a in host.items()})
+        self.grads = _views(self.grad_buffer, {name: a.shape for name, a in host.items()})
+        for name, a in host.items():
+            # Drawn on the host in float64, then cast and moved, so CPU and GPU runs start identical.
+            self.params[name][...] = xp.asarray(a.astype(self.dtype))
         self._buffers = {}
 
     def __repr__(self):
@@ -251,6 +251,21 @@ class MLP(Model):
                 d *= h > 0
                 g = d
         return float(loss_sum) / n, self.grads, int(correct)
+
+
+def _views(flat, shapes):
+    """Views of ``flat`` shaped as ``shapes`` (name -> shape), laid out in REVERSE order.
+
+    Backward finishes the last layer first; laying the buffer out that way
+    makes each run of gradients that ``on_grad`` has delivered one slice.
+    Returned in the order of ``shapes``.
+    """
+    views, offset = {}, 0
+    for name in reversed(shapes):
+        size = int(np.prod(shapes[name]))
+        views[name] = flat[offset:offset + size].reshape(shapes[name])
+        offset += size
+    return {name: views[name] for name in shapes}
 
 
 def _size(what, value, minimum):

@@ -268,3 +268,37 @@ def test_bad_batches_are_rejected():
         model.loss_and_grad(np.zeros((2, 4)), np.zeros(2))
     with pytest.raises(ValueError, match="empty batch"):
         model.loss_and_grad(np.zeros((0, 4)), np.zeros(0, dtype=int))
+
+
+def test_flat_layout_finds_the_mlp_buffers_in_backward_order():
+    from ringtrain.zero import flat_layout
+
+    model = build_model("mlp", 6, 3, hidden=(5, 4), seed=0)
+    order = flat_layout(model)
+    assert order == list(reversed(model.params))
+    offsets = [p.__array_interface__["data"][0] - model.param_buffer.__array_interface__["data"][0]
+               for p in (model.params[n] for n in order)]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    loss, grads, _ = model.loss_and_grad(np.ones((2, 6), np.float32), np.array([0, 2]))
+    assert np.shares_memory(grads["fc1.weight"], model.grad_buffer)
+
+
+def test_flat_layout_is_none_without_matching_buffers():
+    from ringtrain.zero import flat_layout
+
+    model = build_model("mlp", 6, 3, hidden=(5,), seed=0)
+
+    class Loose:  # parameters that are separate arrays
+        params = {k: v.copy() for k, v in model.params.items()}
+        grads = {k: v.copy() for k, v in model.grads.items()}
+        param_buffer, grad_buffer = model.param_buffer, model.grad_buffer
+
+    class Shuffled:  # gradients of the same shapes, laid out in forward order instead
+        params, param_buffer = model.params, model.param_buffer
+        grad_buffer = np.zeros_like(model.grad_buffer)
+        grads = {"fc1.weight": grad_buffer[:30].reshape(6, 5), "fc1.bias": grad_buffer[30:35],
+                 "fc2.weight": grad_buffer[35:50].reshape(5, 3), "fc2.bias": grad_buffer[50:53]}
+
+    assert flat_layout(Loose()) is None
+    assert flat_layout(Shuffled()) is None
+    assert flat_layout(object()) is None

@@ -1,0 +1,268 @@
+"""The optimizer step split across ranks: reduce-scatter, update my shard, allgather.
+
+After a gradient allreduce every rank holds the whole averaged gradient and
+runs the same optimizer update over every parameter: N copies of the same
+arithmetic, all competing for one host's memory bandwidth. ZeRO's first
+stage (Rajbhandari et al., 2020; PyTorch's ``ZeroRedundancyOptimizer``)
+splits that work. The ring allreduce already is a reduce-scatter followed by
+an allgather, so stop after the reduce-scatter, let each rank update only the
+chunk of the parameters whose gradient it has just reduced, and allgather
+the updated parameters instead of the gradients. The bytes moved are the
+allreduce's; each rank's update costs 1/N of the whole.
+
+A step (:class:`ShardedStep`) is three collective phases:
+
+1. :meth:`~ShardedStep.reduce_gradients`: reduce-scatter the flat gradient
+   buffer and divide this rank's chunk by N (the mean);
+2. :meth:`~ShardedStep.sum_small`: sum a few float64 values across ranks in
+   rank order: the trainer's step metrics, and a count of ranks whose chunk
+   is not finite. No rank sees the whole gradient any more, so a step that
+   must be skipped is agreed here, before any rank updates;
+3. :meth:`~ShardedStep.update` and :meth:`~ShardedStep.allgather`: update
+   the chunk in place with :meth:`ringtrain.optim.Optimizer.step_slice`,
+   then allgather the updated parameter chunks.
+
+The result is bitwise that of an allreduce over the same transport
+(``algorithm="shm"`` or ``"ring"``, ``op="mean"``) followed by
+``Optimizer.step``: each chunk is reduced by the same code in the same order,
+divided the same way, and the update is elementwise (tested at 1 to 4 ranks).
+
+Two transports carry the phases. Ranks on one host use their own MPI
+shared-memory window (:class:`ringtrain.shm.SharedArena`): each rank reads
+its peers' slots directly, each phase is one barrier, and the small sum
+rides in a header at the end of each slot. Otherwise the ring's two phases
+(:func:`ringtrain.ring.ring_reduce_scatter`, :func:`~ringtrain.ring.ring_allgather`)
+run on a duplicate communicator and the small sum is one ``Allreduce``.
+
+The optimizer state stays whole on every rank, but only the own chunk of it
+advances; :meth:`ShardedStep.gather_state` brings every rank's copy up to
+date (the trainer calls it before each checkpoint, so checkpoints are those
+of an unsharded run). Memory is not partitioned: for the models ringtrain
+trains, the time is what matters.
+"""
+
+import numpy as np
+
+from .ring import chunk_bounds, ring_allgather, ring_reduce_scatter
+from .shm import SINGLE_BLOCK_BYTES, SharedArena
+
+__all__ = ["ShardedStep", "flat_layout", "SMALL_VALUES"]
+
+SMALL_VALUES = 16  # float64 values that sum_small can carry
+_HEADER_BYTES = SMALL_VALUES * 8
+_SEGMENT_BYTES = 1 << 20  # the ring's pipeline segment, as in ringtrain.collectives
+
+
+def _address(a):
+    return a.__array_interface__["data"][0]
+
+
+def flat_layout(model):
+    """The parameter names in flat-buffer order, or None if the model has no such layout.
+
+    The layout exists when ``model.params`` and ``model.grads`` are views,
+    in the same order and at the same offsets, covering the whole of
+    ``model.param_buffer`` and ``model.grad_buffer`` (1-D NumPy arrays of one
+    dtype), as :class:`ringtrain.models.MLP` lays them out.
+    """
+    pbuf, gbuf = getattr(model, "param_buffer", None), getattr(model, "grad_buffer", None)
+    params, grads = getattr(model, "params", None), getattr(model, "grads", None)
+    if not (isinstance(pbuf, np.ndarray) and isinstance(gbuf, np.ndarray) and isinstance(params, dict)
+            and isinstance(grads, dict) and list(grads) == list(params) and params):
+        return None
+    if pbuf.ndim != 1 or pbuf.shape != gbuf.shape or pbuf.dtype != gbuf.dtype:
+        return None
+    if not (pbuf.flags.c_contiguous and gbuf.flags.c_contiguous):
+        return None
+    offsets = {}
+    for name, p in params.items():
+        g = grads[name]
+        if not all(isinstance(a, np.ndarray) and a.dtype == pbuf.dtype and a.flags.c_contiguous for a in (p, g)):
+            return None
+        offset = _address(p) - _address(pbuf)
+        if offset != _address(g) - _address(gbuf) or p.shape != g.shape:
+            return None
+        offsets[name] = offset
+    order = sorted(params, key=offsets.get)
+    position = 0
+    for name in order:
+        if offsets[name] != position:
+            return None
+        position += params[name].nbytes
+    return order if position == pbuf.nbytes else None
+
+
+class ShardedStep:
+    """Reduce-scatter, update this rank's chunk, allgather: one data-parallel step.
+
+    Build with :meth:`create` (collective). ``self.start, self.stop`` is the
+    range of the flat buffers this rank owns.
+    """
+
+    def __init__(self, transport, param_buffer, grad_buffer, opt):
+        self.transport, self.params, self.grads, self.opt = transport, param_buffer, grad_buffer, opt
+        self.size = transport.size
+        self.start, self.stop = transport.owned
+
+    @classmethod
+    def create(cls, comm, model, opt, algorithm="auto"):
+        """A :class:`ShardedStep` for ``model`` and ``opt`` on ``comm``, or None where it does not apply.
+
+        Collective; every rank gets the same answer. It applies to more than
+        one rank, a model with a :func:`flat_layout` on the CPU, an optimizer
+        whose state is laid out in that order (``build_optimizer(...,
+        order=flat_layout(model))``), and ``algorithm`` "auto", "ring" or
+        "shm" ("shm" only where the ranks share a host and the gradient fits
+        one slot of the window; "mpi" and "hierarchical" keep the allreduce).
+        """
+        from mpi4py import MPI
+
+        if comm.Get_size() == 1 or algorithm not in ("auto", "ring", "shm"):
+            return None
+        order = flat_layout(model)
+        fits = order is not None and getattr(opt, "flat", False) and tuple(opt.order) == tuple(order)
+        if not comm.allreduce(int(fits), op=MPI.MIN):
+            return None
+        pbuf, gbuf = model.param_buffer, model.grad_buffer
+        transport = None
+        if algorithm in ("auto", "shm") and gbuf.nbytes + _HEADER_BYTES <= SINGLE_BLOCK_BYTES:
+            arena = SharedArena.create(comm)
+            transport = _ShmTransport(arena, gbuf.size) if arena is not None else None
+        if transport is None and algorithm != "shm":
+            transport = _RingTransport(comm.Dup(), gbuf.size, gbuf.dtype)
+        return cls(transport, pbuf, gbuf, opt) if transport is not None else None
+
+    @property
+    def kind(self):
+        """"shm" or "ring": the transport in use."""
+        return self.transport.kind
+
+    def reduce_gradients(self):
+        """Phase 1 (collective): this rank's chunk of the mean gradient, a view of the grad buffer.
+
+        The rest of the grad buffer is left partly reduced: only the chunk is meaningful.
+        """
+        self.transport.begin()
+        self.transport.reduce_scatter(self.grads)
+        chunk = self.grads[self.start:self.stop]
+        np.divide(chunk, self.size, out=chunk)
+        return chunk
+
+    def sum_small(self, values):
+        """Phase 2 (collective): sum the float64 array ``values`` across ranks, in place, in rank order."""
+        if values.dtype != np.float64 or values.ndim != 1 or values.size > SMALL_VALUES:
+            raise ValueError(f"sum_small takes at most {SMALL_VALUES} float64 values, got {values.dtype} "
+                             f"{values.shape}")
+        self.transport.sum_small(values)
+        return values
+
+    def update(self, lr):
+        """Update this rank's chunk of the parameters from its chunk of the gradient (local)."""
+        a, b = self.start, self.stop
+        self.opt.step_slice(self.params[a:b], self.grads[a:b], lr, a, b)
+
+    def allgather(self):
+        """Phase 3 (collective): every rank receives every chunk of the updated parameters."""
+        self.transport.allgather(self.params)
+
+    def gather_state(self):
+        """Bring every rank's copy of the optimizer state up to date from the chunks' owners (collective)."""
+        for flat in self.opt.flat_state():
+            self.transport.begin()
+            self.transport.allgather(flat)
+
+    def close(self):
+        """Release the window or the duplicate communicator (collective)."""
+        self.transport.close()
+
+
+class _ShmTransport:
+    """The three phases through a shared-memory window: one barrier each.
+
+    Each unit of work (a step, or one gather) uses one half of every slot,
+    alternating, and writes only before its first barrier or into ranges no
+    peer reads in that unit. What it overwrites was last read two units
+    back, before a barrier every rank has since passed; so no unit needs a
+    closing barrier.
+    """
+
+    kind = "shm"
+
+    def __init__(self, arena, n):
+        self.arena, self.rank, self.size = arena, arena.rank, arena.size
+        self.bounds = chunk_bounds(n, self.size)
+        self.owned = (self.bounds[self.rank], self.bounds[self.rank + 1])
+        self.units = 0
+        self.base = 0
+
+    def begin(self):
+        self.base = (self.units % 2) * self.arena.half
+        self.units += 1
+
+    def _views(self, dtype, n):
+        return [slot[self.base:self.base + n * dtype.itemsize].view(dtype) for slot in self.arena.slots]
+
+    def reduce_scatter(self, x):
+        views, bounds, rank = self._views(x.dtype, x.size), self.bounds, self.rank
+        mine = views[rank]
+        for owner in range(self.size):  # publish the chunks the peers own
+            if owner != rank:
+                mine[bounds[owner]:bounds[owner + 1]] = x[bounds[owner]:bounds[owner + 1]]
+        self.arena.sync()
+        a, b = self.owned
+        chunk = x[a:b]
+        for peer in range(self.size):  # the order shm_allreduce uses: bitwise its result
+            if peer != rank:
+                np.add(chunk, views[peer][a:b], out=chunk)
+
+    def sum_small(self, values):
+        end = self.base + self.arena.half
+        headers = [slot[end - _HEADER_BYTES:end].view(np.float64)[:values.size] for slot in self.arena.slots]
+        headers[self.rank][:] = values
+        self.arena.sync()
+        values[:] = headers[0]
+        for header in headers[1:]:
+            values += header
+
+    def allgather(self, x):
+        views, bounds, rank = self._views(x.dtype, x.size), self.bounds, self.rank
+        a, b = self.owned
+        views[rank][a:b] = x[a:b]
+        self.arena.sync()
+        for owner in range(self.size):
+            if owner != rank:
+                x[bounds[owner]:bounds[owner + 1]] = views[owner][bounds[owner]:bounds[owner + 1]]
+
+    def close(self):
+        self.arena.free()
+
+
+class _RingTransport:
+    """The three phases over MPI: the ring's reduce-scatter and allgather, and one small Allreduce."""
+
+    kind = "ring"
+
+    def __init__(self, comm, n, dtype):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.bounds = chunk_bounds(n, self.size)
+        owner = (self.rank + 1) % self.size  # where the ring's reduce-scatter leaves a finished chunk
+        self.owned = (self.bounds[owner], self.bounds[owner + 1])
+        self.segment = max(1, _SEGMENT_BYTES // np.dtype(dtype).itemsize)
+        self.stages = (np.empty(self.segment, dtype), np.empty(self.segment, dtype))
+
+    def begin(self):
+        pass
+
+    def reduce_scatter(self, x):
+        ring_reduce_scatter(self.comm, x, np.add, self.stages, self.segment)
+
+    def sum_small(self, values):
+        from mpi4py import MPI
+
+        self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+
+    def allgather(self, x):
+        ring_allgather(self.comm, x, self.bounds)
+
+    def close(self):
+        self.comm.Free()
