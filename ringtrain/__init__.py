@@ -16,6 +16,7 @@ from .optim import build_optimizer, learning_rate, scaled_lr
 from .topology import TaskSpec
 from .config import TrainConfig
 from .trainer import TrainResult, train
+from .zero import ShardedStep
 
 __all__ = [
     "__version__",
@@ -46,4 +47,5 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "train",
+    "ShardedStep",
 ]

@@ -57,6 +57,8 @@ class TrainConfig:
     bucket_mb: float = _f(4.0, "gradient fusion bucket size in MiB")
     overlap: bool = _f(True, "reduce gradient buckets while backward is still running")
     fp16_allreduce: bool = _f(False, "send gradients as float16 on the wire (halves traffic)")
+    shard_optimizer: bool = _f(True, "split the optimizer step across ranks (ZeRO stage 1): reduce-scatter the "
+                                     "gradients, update this rank's shard, allgather the parameters")
     allreduce: str = _f("auto", "gradient allreduce: auto, ring, mpi, hierarchical (within hosts, then across), "
                         "or shm (shared memory, every rank on one host)",
                         choices=("auto", "ring", "mpi", "hierarchical", "shm"))
@@ -68,7 +70,7 @@ class TrainConfig:
 MUST_MATCH = ("dataset", "model", "hidden", "epochs", "batch_size", "lr", "optimizer", "momentum",
               "weight_decay", "warmup_steps", "scale_lr", "seed", "drop_last", "test_fraction", "samples",
               "features", "classes", "checkpoint_every", "max_steps", "nonfinite", "bucket_mb", "overlap",
-              "fp16_allreduce", "allreduce", "device", "resume", "eval_every", "log_every")
+              "fp16_allreduce", "shard_optimizer", "allreduce", "device", "resume", "eval_every", "log_every")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 

@@ -1,13 +1,22 @@
 """The training loop: every rank the same model, its own shard, one averaging call.
 
 Synchronisation points: :func:`train` is collective. Every rank of ``comm``
-must call it with the same configuration; each step makes, in this order on
-every rank, the gradient allreduce (one call per fusion bucket; with
-``overlap``, started from backward's ``on_grad`` on the Reducer's own
-duplicate communicator and finished before the optimizer step) and one small
-metrics allreduce, plus a digest allgather at every checkpoint and at the end. Rank 0 is the
-master: it alone prints, writes the run directory and writes checkpoints; on
-resume it reads the checkpoint and broadcasts it.
+must call it with the same configuration. Each step makes, in this order on
+every rank, either
+
+* with ``shard_optimizer`` (where :class:`ringtrain.zero.ShardedStep`
+  applies): the gradient reduce-scatter, one small sum of the step's metrics
+  and non-finite flags, and the parameter allgather after each rank has
+  updated its shard; or
+* the gradient allreduce (one call per fusion bucket; with ``overlap``,
+  started from backward's ``on_grad`` on the Reducer's own duplicate
+  communicator and finished before the optimizer step) and one small metrics
+  allreduce;
+
+plus, at every checkpoint and at the end, the sharded optimizer state's
+allgather (when sharded) and a digest allgather. Rank 0 is the master: it
+alone prints, writes the run directory and writes checkpoints; on resume it
+reads the checkpoint and broadcasts it.
 """
 
 import dataclasses
@@ -33,6 +42,7 @@ from .runlog import RunLog, default_run_dir
 from .timeline import Timeline
 from .topology import TaskSpec
 from .watchdog import Watchdog, left_neighbour
+from .zero import ShardedStep, flat_layout
 
 __all__ = ["train", "TrainResult", "params_digest"]
 
@@ -200,7 +210,9 @@ def train(cfg, comm=None, *, model=None, stream=None):
     params = model.params
     _check_same_params(comm, params)
     lr = scaled_lr(cfg.lr, comm.Get_size(), cfg.scale_lr)
-    opt = build_optimizer(cfg.optimizer, params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    # State laid out like the model's flat buffers, so a rank can update just its shard.
+    opt = build_optimizer(cfg.optimizer, params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                          order=flat_layout(model))
 
     run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
     log = RunLog(run_dir, spec.is_master, stream=stream)
@@ -241,10 +253,15 @@ class _Loop:
             self.reducer = Reducer(comm, {n: grads[n] for n in reversed(self.params)}, self.bucket_bytes,
                                    op="mean", compression=self.compression, algorithm=cfg.allreduce,
                                    trace=self._bucket_span if self.timeline.enabled else None)
+        self.sharded = None
+        if cfg.shard_optimizer and self.reducer is None and self.compression is None and xp is np:
+            self.sharded = ShardedStep.create(comm, model, opt, cfg.allreduce)
         self.total_steps = cfg.epochs * plan.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.metrics = np.zeros(4, np.float64)  # loss sum, correct, samples, stop flag
+        # Summed across ranks every step: loss sum, correct, samples, stop reason
+        # (rank 0's alone), ranks whose reduced gradient is not finite.
+        self.metrics = np.zeros(5, np.float64)
         self.last_train, self.last_eval = {}, {}
         self.start = time.perf_counter()
 
@@ -254,36 +271,26 @@ class _Loop:
 
     # -- one step -------------------------------------------------------------
     def step(self, step, epoch, index):
-        cfg, xp, tl = self.cfg, self.xp, self.timeline
+        """One training step (collective); leaves the step's summed metrics in ``self.metrics``.
+
+        Returns whether the gradients were finite (if not, no rank updated).
+        """
+        xp, tl = self.xp, self.timeline
         self.current_step = step
         rows = self.plan.batch_indices(epoch, index)
         with tl.span("data", step):
             xb = xp.asarray(self.data.x[rows])
             yb = xp.asarray(self.data.y[rows])
+        if self.sharded is not None:
+            return self._sharded_step(step, xb, yb)
         if self.reducer is not None:
-            # Each gradient goes to the reducer as backward finishes it; its
-            # bucket is reduced on the communication thread meanwhile.
-            pushed = set()
-
-            def on_grad(name, grad):
-                pushed.add(name)
-                self.reducer.push(name, grad)
-
-            # Not watched: the model's own time is not a collective's (a slow
-            # rank is named by the others, waiting below).
-            with tl.span("forward+backward", step):
-                loss, grads, correct = self.model.loss_and_grad(xb, yb, on_grad=on_grad)
-            with tl.span("allreduce wait", step), self.dog.watch("gradient allreduce", step, self.left):
-                for name in reversed(grads):  # a model that skipped on_grad for some
-                    if name not in pushed:
-                        self.reducer.push(name, grads[name])
-                self.reducer.wait()
+            loss, grads, correct = self._overlapped_backward(step, xb, yb)
         else:
             with tl.span("forward+backward", step):
                 loss, grads, correct = self.model.loss_and_grad(xb, yb)
             with tl.span("allreduce", step), self.dog.watch("gradient allreduce", step, self.left):
                 allreduce_many_(self.grad_slices or [grads[n] for n in reversed(grads)], op="mean",
-                                comm=self.comm, bucket_bytes=self.bucket_bytes, algorithm=cfg.allreduce,
+                                comm=self.comm, bucket_bytes=self.bucket_bytes, algorithm=self.cfg.allreduce,
                                 compression=self.compression)
         arrays = self.grad_slices or list(grads.values())
         # The reduced gradients are bitwise equal on every rank, so this
@@ -291,9 +298,55 @@ class _Loop:
         finite = all(bool(xp.isfinite(g).all()) for g in arrays)
         if finite:
             with tl.span("optimizer", step):
-                lr = learning_rate(step, self.base_lr, warmup_steps=cfg.warmup_steps)
-                self.opt.step(self.params, grads, lr)
-        return float(loss), int(correct), len(rows), finite
+                self.opt.step(self.params, grads, self._lr(step))
+        self.metrics[:] = (loss * len(rows), correct, len(rows), self._should_stop(step + 1), 0.0)
+        with self.dog.watch("metrics allreduce", step + 1, self.left):
+            self.comm.Allreduce(_in_place(), self.metrics)
+        return finite
+
+    def _sharded_step(self, step, xb, yb):
+        # Each rank holds only its chunk of the reduced gradient, so finiteness
+        # is agreed in the metrics sum, before anyone updates.
+        tl, dog, sharded = self.timeline, self.dog, self.sharded
+        with tl.span("forward+backward", step):
+            loss, _, correct = self.model.loss_and_grad(xb, yb)
+        with tl.span("reduce-scatter", step), dog.watch("gradient reduce-scatter", step, self.left):
+            chunk = sharded.reduce_gradients()
+        bad = 0.0 if np.isfinite(chunk).all() else 1.0
+        self.metrics[:] = (loss * len(xb), correct, len(xb), self._should_stop(step + 1), bad)
+        with dog.watch("metrics allreduce", step, self.left):
+            sharded.sum_small(self.metrics)
+        if self.metrics[4] > 0:
+            return False
+        with tl.span("optimizer", step):
+            sharded.update(self._lr(step))
+        with tl.span("allgather", step), dog.watch("parameter allgather", step, self.left):
+            sharded.allgather()
+        return True
+
+    def _overlapped_backward(self, step, xb, yb):
+        tl = self.timeline
+        # Each gradient goes to the reducer as backward finishes it; its
+        # bucket is reduced on the communication thread meanwhile.
+        pushed = set()
+
+        def on_grad(name, grad):
+            pushed.add(name)
+            self.reducer.push(name, grad)
+
+        # Not watched: the model's own time is not a collective's (a slow
+        # rank is named by the others, waiting below).
+        with tl.span("forward+backward", step):
+            loss, grads, correct = self.model.loss_and_grad(xb, yb, on_grad=on_grad)
+        with tl.span("allreduce wait", step), self.dog.watch("gradient allreduce", step, self.left):
+            for name in reversed(grads):  # a model that skipped on_grad for some
+                if name not in pushed:
+                    self.reducer.push(name, grads[name])
+            self.reducer.wait()
+        return loss, grads, correct
+
+    def _lr(self, step):
+        return learning_rate(step, self.base_lr, warmup_steps=self.cfg.warmup_steps)
 
     # -- the loop -------------------------------------------------------------
     def run(self, step, epoch, index, streak):
@@ -311,15 +364,11 @@ class _Loop:
             epoch_sums = np.zeros(3, np.float64)
             epoch_start = time.perf_counter()
             while index < steps:
-                loss, correct, n, finite = self.step(step, epoch, index)
+                finite = self.step(step, epoch, index)
                 streak = 0 if finite else streak + 1
                 if not finite:
                     self._nonfinite(step, streak)
                 step, index = step + 1, index + 1
-                stop_now = self._should_stop(step)
-                self.metrics[:] = (loss * n, correct, n, stop_now)
-                with self.dog.watch("metrics allreduce", step, self.left):
-                    self.comm.Allreduce(_in_place(), self.metrics)
                 window += self.metrics[:3]
                 epoch_sums += self.metrics[:3]
                 window_steps += 1
@@ -356,6 +405,8 @@ class _Loop:
         self._write_timeline()
         if self.reducer is not None:
             self.reducer.close()
+        if self.sharded is not None:
+            self.sharded.close()
         self.dog.close()
         log.close()
         params = {name: backend.to_numpy(p).copy() for name, p in self.params.items()}
@@ -412,6 +463,10 @@ class _Loop:
         self.log.print(line + f"  ({elapsed:.1f}s)")
 
     def _checkpoint(self, step, epoch, index, streak, final=False):
+        if self.sharded is not None:
+            # Each rank advanced only its shard of the optimizer state.
+            with self.dog.watch("optimizer state allgather", step, self.left):
+                self.sharded.gather_state()
         with self.dog.watch("parameter digest allgather", step, self.left):
             digest = _check_same_params_everywhere(self.comm, self.params, step)
         if not self.spec.is_master:

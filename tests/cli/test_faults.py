@@ -87,13 +87,14 @@ def test_killed_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_pa
 
 def test_stalled_rank_is_named_by_the_watchdog_and_the_job_ends(tmp_path):
     # Rank 1 sleeps 120 s in step 7; ranks 0 and 2 wait in the gradient
-    # allreduce. Rank 2 waits on rank 1 (its left neighbour), rank 0 on rank 2.
+    # reduce-scatter (the sharded step's first phase). Each names its left
+    # neighbour: rank 2 names rank 1, rank 0 names rank 2.
     result, elapsed = timed(mpirun, 3, faulty("sleep", 1, 7, "--timeout", "3",
                                               "--run-dir", str(tmp_path / "run")), timeout=60)
     assert result.returncode != 0, show(result)
     assert elapsed < 20, f"the job took {elapsed:.1f}s to end with --timeout 3"
     lines = [line for line in result.stderr.splitlines() if "did not finish within" in line]
-    assert ("rank 2: gradient allreduce at step 7 did not finish within 3s; waiting on rank 1 "
+    assert ("rank 2: gradient reduce-scatter at step 7 did not finish within 3s; waiting on rank 1 "
             "(raise --timeout if this is expected)") in lines, show(result)
     # The sleeper itself is not waiting on anyone: it prints no such line.
     assert not any(line.startswith("rank 1:") for line in lines), show(result)
@@ -252,8 +253,11 @@ def test_failed_save_keeps_earlier_checkpoints_is_reported_and_training_goes_on(
 def test_replicas_that_diverge_are_caught_by_the_digest_check(tmp_path):
     # Rank 1 nudges a weight at step 3; the digest allgathered at the next
     # checkpoint (step 5) differs, and the job ends with a message saying so.
+    # Unsharded: the sharded step allgathers every parameter from its owner
+    # each step, so a nudged replica is overwritten (or, in its own shard,
+    # handed to everyone) and replicas cannot drift apart.
     run_dir = tmp_path / "run"
-    result, elapsed = timed(mpirun, 2, faulty("diverge", 1, 3, "--checkpoint-every", "5",
+    result, elapsed = timed(mpirun, 2, faulty("diverge", 1, 3, "--checkpoint-every", "5", "--no-shard-optimizer",
                                               "--run-dir", str(run_dir)), timeout=60)
     assert result.returncode != 0 and elapsed < 30, show(result)
     assert "parameters differ across ranks at step 5" in result.stderr, show(result)

@@ -87,10 +87,11 @@ def test_every_rank_ends_with_identical_parameters():
 
 def _overlap_run(comm, tmp, name, **settings):
     # Small buckets (1 KiB), so the MLP's gradients form four buckets and
-    # overlapping really starts reductions during backward.
+    # overlapping really starts reductions during backward. Unsharded, so
+    # that --no-overlap reduces the same buckets with the same calls.
     cfg = TrainConfig(dataset="synthetic", samples=400, features=40, classes=4, hidden=(48, 24), epochs=2,
                       batch_size=16, bucket_mb=1 / 1024, run_dir=os.path.join(tmp, name), resume="none",
-                      eval_every=1, progress=False, log_every=1000)
+                      eval_every=1, progress=False, log_every=1000, shard_optimizer=False)
     return train(dataclasses.replace(cfg, **settings), comm)
 
 
@@ -120,4 +121,41 @@ def test_resume_with_overlap_and_fp16_is_bitwise_exact():
     resumed = _overlap_run(comm, tmp, "resumed", fp16_allreduce=True, resume="auto")
     comm.Barrier()
     assert resumed.step == straight.step
+    assert params_digest(resumed.params) == params_digest(straight.params)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["shm", "ring"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sharded_optimizer_step_gives_bitwise_the_unsharded_run(algorithm, optimizer):
+    # Same transport both ways, so every chunk is summed in the same order.
+    comm = MPI.COMM_WORLD
+    tmp = shared_tmpdir(comm)
+    base = TrainConfig(dataset="synthetic", samples=301, features=24, classes=5, hidden=(32, 16), epochs=2,
+                       batch_size=8, optimizer=optimizer, lr=0.05, weight_decay=0.01, allreduce=algorithm,
+                       resume="none", **QUIET)
+    sharded = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "sharded")), comm)
+    whole = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "whole"), shard_optimizer=False), comm)
+    digests = comm.allgather((params_digest(sharded.params), params_digest(whole.params)))
+    assert all(d == digests[0] for d in digests)
+    assert digests[0][0] == digests[0][1]
+    assert sharded.eval == whole.eval
+
+
+@pytest.mark.mpi
+def test_a_sharded_checkpoint_resumes_unsharded_bitwise():
+    # The checkpoint holds the whole optimizer state only if every rank's
+    # shard of it was gathered first: an unsharded run resumed from it must
+    # end where the sharded run going straight through ends.
+    comm = MPI.COMM_WORLD
+    tmp = shared_tmpdir(comm)
+    n = 9 * 4 * comm.Get_size()
+    data = write_dataset(comm, tmp, n)
+    base = TrainConfig(dataset=data, model="mlp", hidden=(8,), optimizer="adam", lr=0.01, epochs=3, batch_size=4,
+                       checkpoint_every=4, allreduce="shm", resume="auto", **QUIET)
+    straight = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "straight")), comm)
+    train(dataclasses.replace(base, run_dir=os.path.join(tmp, "resumed"), max_steps=5), comm)
+    resumed = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "resumed"), shard_optimizer=False), comm)
+    comm.Barrier()
+    assert resumed.step == straight.step == 27
     assert params_digest(resumed.params) == params_digest(straight.params)

@@ -100,7 +100,10 @@ def main(argv):
                 install(fault, at)
             cfg = config_from_args(build_parser().parse_args(["train", *flags]))
             result = ringtrain.trainer.train(cfg, comm)
-            print(f"rank {comm.Get_rank()} digest {ringtrain.trainer.params_digest(result.params)}", flush=True)
+            # One write per line: print() writes the newline separately, and
+            # ranks finishing together could interleave their lines.
+            sys.stdout.write(f"rank {comm.Get_rank()} digest {ringtrain.trainer.params_digest(result.params)}\n")
+            sys.stdout.flush()
     except UsageError as exc:
         print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)
         return 2
