@@ -158,6 +158,26 @@ class MLP(Model):
     def __repr__(self):
         return f"MLP(sizes={self.sizes}, dtype={self.dtype.name}, xp={self.xp.__name__})"
 
+    def rebind(self, param_buffer, grad_buffer):
+        """Move the parameters and gradients into the flat arrays given, keeping the layout.
+
+        The new buffers must match :attr:`param_buffer` and :attr:`grad_buffer`
+        in size and dtype; their values are copied in. The ``params`` and
+        ``grads`` dicts are updated in place, so references to the dicts stay
+        valid (references to the old arrays do not). The sharded step uses it
+        to keep the buffers in memory the other ranks on the host can read.
+        """
+        for new, old in ((param_buffer, self.param_buffer), (grad_buffer, self.grad_buffer)):
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(f"rebind needs flat buffers of {old.size} {old.dtype} elements, "
+                                 f"got {new.shape} {new.dtype}")
+        param_buffer[...] = self.param_buffer
+        grad_buffer[...] = self.grad_buffer
+        shapes = {name: p.shape for name, p in self.params.items()}
+        self.param_buffer, self.grad_buffer = param_buffer, grad_buffer
+        self.params.update(_views(param_buffer, shapes))
+        self.grads.update(_views(grad_buffer, shapes))
+
     def _layers(self):
         return [(self.params[f"fc{i}.weight"], self.params[f"fc{i}.bias"]) for i in range(1, len(self.sizes))]
 

@@ -49,16 +49,21 @@ class SharedArena:
     one host; every rank then holds NumPy views of every rank's slot.
     """
 
-    def __init__(self, comm, node, win, slots):
-        self.comm, self._node, self._win, self.slots = comm, node, win, slots
+    def __init__(self, comm, node, win, slots, slot_bytes):
+        self.comm, self._node, self._win = comm, node, win
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.half = slots[0].size // 2
+        self.slots = [slot[:slot_bytes] for slot in slots]
+        self.extras = [slot[slot_bytes:] for slot in slots]
+        self.half = slot_bytes // 2
 
     @classmethod
-    def create(cls, comm, slot_bytes=2 * SINGLE_BLOCK_BYTES):
+    def create(cls, comm, slot_bytes=2 * SINGLE_BLOCK_BYTES, extra_bytes=0):
         """The arena for ``comm``, or None unless every rank of ``comm`` shares one host.
 
-        Collective: every rank of ``comm`` must call it; all get the same answer.
+        Each rank gets a slot of ``slot_bytes`` (two halves) and, after it,
+        ``extra_bytes`` of its own (``self.extras``) for an owner to keep
+        arrays that its peers read in place. Collective: every rank of
+        ``comm`` must call it with the same sizes; all get the same answer.
         """
         from mpi4py import MPI
 
@@ -67,12 +72,13 @@ class SharedArena:
         if not together:
             node.Free()
             return None
-        win = MPI.Win.Allocate_shared(slot_bytes, 1, comm=node)
-        slots = [np.frombuffer(win.Shared_query(r)[0], np.uint8, slot_bytes) for r in range(node.Get_size())]
+        total = slot_bytes + extra_bytes
+        win = MPI.Win.Allocate_shared(total, 1, comm=node)
+        slots = [np.frombuffer(win.Shared_query(r)[0], np.uint8, total) for r in range(node.Get_size())]
         # One passive-target epoch for the arena's life: Win.Sync then orders
         # each rank's plain loads and stores around the barriers.
         win.Lock_all()
-        return cls(comm, node, win, slots)
+        return cls(comm, node, win, slots, slot_bytes)
 
     def sync(self):
         """Every rank's writes so far are visible to every rank (collective)."""

@@ -255,7 +255,10 @@ class _Loop:
                                    trace=self._bucket_span if self.timeline.enabled else None)
         self.sharded = None
         if cfg.shard_optimizer and self.reducer is None and self.compression is None and xp is np:
+            # May move the model's buffers into shared memory: the old views go stale.
             self.sharded = ShardedStep.create(comm, model, opt, cfg.allreduce)
+            if self.sharded is not None:
+                self.grad_slices = None
         self.total_steps = cfg.epochs * plan.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)

@@ -99,8 +99,8 @@ class ShardedStep:
     range of the flat buffers this rank owns.
     """
 
-    def __init__(self, transport, param_buffer, grad_buffer, opt):
-        self.transport, self.params, self.grads, self.opt = transport, param_buffer, grad_buffer, opt
+    def __init__(self, transport, model, opt):
+        self.transport, self.model, self.opt = transport, model, opt
         self.size = transport.size
         self.start, self.stop = transport.owned
 
@@ -114,6 +114,11 @@ class ShardedStep:
         order=flat_layout(model))``), and ``algorithm`` "auto", "ring" or
         "shm" ("shm" only where the ranks share a host and the gradient fits
         one slot of the window; "mpi" and "hierarchical" keep the allreduce).
+
+        On shared memory, a model with a ``rebind(param_buffer, grad_buffer)``
+        method (:meth:`ringtrain.models.MLP.rebind`) has its buffers moved
+        into the window, so peers read them where backward and the update
+        wrote them, with no copy; :meth:`close` moves them back out.
         """
         from mpi4py import MPI
 
@@ -123,14 +128,14 @@ class ShardedStep:
         fits = order is not None and getattr(opt, "flat", False) and tuple(opt.order) == tuple(order)
         if not comm.allreduce(int(fits), op=MPI.MIN):
             return None
-        pbuf, gbuf = model.param_buffer, model.grad_buffer
+        gbuf = model.grad_buffer
         transport = None
         if algorithm in ("auto", "shm") and gbuf.nbytes + _HEADER_BYTES <= SINGLE_BLOCK_BYTES:
-            arena = SharedArena.create(comm)
-            transport = _ShmTransport(arena, gbuf.size) if arena is not None else None
+            rebind = comm.allreduce(int(callable(getattr(model, "rebind", None))), op=MPI.MIN)
+            transport = _ShmTransport.create(comm, model, bool(rebind))
         if transport is None and algorithm != "shm":
             transport = _RingTransport(comm.Dup(), gbuf.size, gbuf.dtype)
-        return cls(transport, pbuf, gbuf, opt) if transport is not None else None
+        return cls(transport, model, opt) if transport is not None else None
 
     @property
     def kind(self):
@@ -142,9 +147,10 @@ class ShardedStep:
 
         The rest of the grad buffer is left partly reduced: only the chunk is meaningful.
         """
+        grads = self.model.grad_buffer
         self.transport.begin()
-        self.transport.reduce_scatter(self.grads)
-        chunk = self.grads[self.start:self.stop]
+        self.transport.reduce_scatter(grads, self.transport.shared_grads)
+        chunk = grads[self.start:self.stop]
         np.divide(chunk, self.size, out=chunk)
         return chunk
 
@@ -159,11 +165,11 @@ class ShardedStep:
     def update(self, lr):
         """Update this rank's chunk of the parameters from its chunk of the gradient (local)."""
         a, b = self.start, self.stop
-        self.opt.step_slice(self.params[a:b], self.grads[a:b], lr, a, b)
+        self.opt.step_slice(self.model.param_buffer[a:b], self.model.grad_buffer[a:b], lr, a, b)
 
     def allgather(self):
         """Phase 3 (collective): every rank receives every chunk of the updated parameters."""
-        self.transport.allgather(self.params)
+        self.transport.allgather(self.model.param_buffer, self.transport.shared_params)
 
     def gather_state(self):
         """Bring every rank's copy of the optimizer state up to date from the chunks' owners (collective)."""
@@ -172,18 +178,26 @@ class ShardedStep:
             self.transport.allgather(flat)
 
     def close(self):
-        """Release the window or the duplicate communicator (collective)."""
-        self.transport.close()
+        """Move the model's buffers back to private memory; release the window or communicator (collective)."""
+        self.transport.close(self.model)
 
 
 class _ShmTransport:
     """The three phases through a shared-memory window: one barrier each.
 
-    Each unit of work (a step, or one gather) uses one half of every slot,
-    alternating, and writes only before its first barrier or into ranges no
-    peer reads in that unit. What it overwrites was last read two units
-    back, before a barrier every rank has since passed; so no unit needs a
-    closing barrier.
+    Staged arrays go through each rank's slot. Each unit of work (a step, or
+    one gather) uses one half of every slot, alternating, and writes only
+    before its first barrier or into ranges no peer reads in that unit. What
+    it overwrites was last read two units back, before a barrier every rank
+    has since passed; so no unit needs a closing barrier.
+
+    A model's own buffers, when they live in the window (``shared_params``,
+    ``shared_grads``: every rank's buffer), are read by peers in place. Each
+    is written only by its owner, and never while a peer may read it: a rank
+    writes its gradients (in backward) after the step's last barrier, by
+    which time the peers have read them (before the second), and writes its
+    parameter chunk (in the update) after the next step's second barrier,
+    by which time the peers have copied it (before the next step's first).
     """
 
     kind = "shm"
@@ -194,6 +208,26 @@ class _ShmTransport:
         self.owned = (self.bounds[self.rank], self.bounds[self.rank + 1])
         self.units = 0
         self.base = 0
+        self.shared_params = self.shared_grads = None
+
+    @classmethod
+    def create(cls, comm, model, rebind):
+        """Collective; None unless every rank shares one host."""
+        gbuf = model.grad_buffer
+        step = -(-gbuf.nbytes // 64) * 64  # keep the second buffer 64-byte aligned
+        arena = SharedArena.create(comm, extra_bytes=2 * step if rebind else 0)
+        if arena is None:
+            return None
+        transport = cls(arena, gbuf.size)
+        if rebind:
+            def buffers(extra):
+                return (extra[:gbuf.nbytes].view(gbuf.dtype), extra[step:step + gbuf.nbytes].view(gbuf.dtype))
+
+            everyone = [buffers(extra) for extra in arena.extras]
+            transport.shared_params = [p for p, _ in everyone]
+            transport.shared_grads = [g for _, g in everyone]
+            model.rebind(*everyone[arena.rank])
+        return transport
 
     def begin(self):
         self.base = (self.units % 2) * self.arena.half
@@ -202,12 +236,15 @@ class _ShmTransport:
     def _views(self, dtype, n):
         return [slot[self.base:self.base + n * dtype.itemsize].view(dtype) for slot in self.arena.slots]
 
-    def reduce_scatter(self, x):
-        views, bounds, rank = self._views(x.dtype, x.size), self.bounds, self.rank
-        mine = views[rank]
-        for owner in range(self.size):  # publish the chunks the peers own
-            if owner != rank:
-                mine[bounds[owner]:bounds[owner + 1]] = x[bounds[owner]:bounds[owner + 1]]
+    def reduce_scatter(self, x, shared=None):
+        bounds, rank = self.bounds, self.rank
+        views = shared
+        if views is None:
+            views = self._views(x.dtype, x.size)
+            mine = views[rank]
+            for owner in range(self.size):  # publish the chunks the peers own
+                if owner != rank:
+                    mine[bounds[owner]:bounds[owner + 1]] = x[bounds[owner]:bounds[owner + 1]]
         self.arena.sync()
         a, b = self.owned
         chunk = x[a:b]
@@ -224,16 +261,22 @@ class _ShmTransport:
         for header in headers[1:]:
             values += header
 
-    def allgather(self, x):
-        views, bounds, rank = self._views(x.dtype, x.size), self.bounds, self.rank
-        a, b = self.owned
-        views[rank][a:b] = x[a:b]
+    def allgather(self, x, shared=None):
+        bounds, rank = self.bounds, self.rank
+        views = shared
+        if views is None:
+            views = self._views(x.dtype, x.size)
+            a, b = self.owned
+            views[rank][a:b] = x[a:b]
         self.arena.sync()
         for owner in range(self.size):
             if owner != rank:
                 x[bounds[owner]:bounds[owner + 1]] = views[owner][bounds[owner]:bounds[owner + 1]]
 
-    def close(self):
+    def close(self, model):
+        if self.shared_params is not None:
+            model.rebind(np.empty_like(model.param_buffer), np.empty_like(model.grad_buffer))
+            self.shared_params = self.shared_grads = None
         self.arena.free()
 
 
@@ -241,6 +284,7 @@ class _RingTransport:
     """The three phases over MPI: the ring's reduce-scatter and allgather, and one small Allreduce."""
 
     kind = "ring"
+    shared_params = shared_grads = None  # MPI moves the bytes: nothing is read in place
 
     def __init__(self, comm, n, dtype):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
@@ -253,7 +297,7 @@ class _RingTransport:
     def begin(self):
         pass
 
-    def reduce_scatter(self, x):
+    def reduce_scatter(self, x, shared=None):
         ring_reduce_scatter(self.comm, x, np.add, self.stages, self.segment)
 
     def sum_small(self, values):
@@ -261,8 +305,8 @@ class _RingTransport:
 
         self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
 
-    def allgather(self, x):
+    def allgather(self, x, shared=None):
         ring_allgather(self.comm, x, self.bounds)
 
-    def close(self):
+    def close(self, model):
         self.comm.Free()

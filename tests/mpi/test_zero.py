@@ -22,9 +22,22 @@ OPTIMIZERS = [("sgd", dict(momentum=0.9, weight_decay=0.01, nesterov=True)), ("a
 SHAPES = [(7, (5,), 3), (40, (48, 24), 4)]
 
 
-def model_and_optimizer(shape, name, settings):
+class Unmovable:
+    """An MLP without ``rebind``: its buffers stay put, and shared memory stages them through slots."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "rebind":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def model_and_optimizer(shape, name, settings, movable=True):
     features, hidden, classes = shape
     model = build_model("mlp", features, classes, hidden=hidden, seed=1)
+    model = model if movable else Unmovable(model)
     return model, build_optimizer(name, model.params, lr=0.1, order=flat_layout(model), **settings)
 
 
@@ -36,13 +49,16 @@ def batch(shape, step):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["shm", "ring"])
+@pytest.mark.parametrize("algorithm, movable", [("shm", True), ("shm", False), ("ring", True)])
 @pytest.mark.parametrize("name, settings", OPTIMIZERS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, name, settings, shape):
+def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, movable, name, settings, shape):
     reference, ref_opt = model_and_optimizer(shape, name, settings)
-    model, opt = model_and_optimizer(shape, name, settings)
+    model, opt = model_and_optimizer(shape, name, settings, movable)
     sharded = ShardedStep.create(comm, model, opt, algorithm)
+    # Moved into the window: read in place by the peers (only on shared memory, only if it can move).
+    in_place = sharded is not None and sharded.transport.shared_params is not None
+    assert not in_place or np.shares_memory(model.param_buffer, sharded.transport.shared_params[rank])
     metrics = np.zeros(3)
     for step in range(5):
         x, y = batch(shape, step)
@@ -61,11 +77,12 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, na
     if sharded is not None:
         sharded.gather_state()
         kind = sharded.kind
-        sharded.close()
+        sharded.close()  # moves the buffers back out: the window is gone
     everyone = comm.allgather(model.param_buffer.tobytes())
     assert (sharded is None) == (size == 1)
     if sharded is not None:
         assert kind == algorithm
+        assert in_place == (algorithm == "shm" and movable)
         assert metrics[2] == size
     assert all(e == everyone[0] for e in everyone)
     assert np.array_equal(model.param_buffer, reference.param_buffer)

@@ -302,3 +302,20 @@ def test_flat_layout_is_none_without_matching_buffers():
     assert flat_layout(Loose()) is None
     assert flat_layout(Shuffled()) is None
     assert flat_layout(object()) is None
+
+
+def test_rebind_moves_the_buffers_and_keeps_the_dicts():
+    model = build_model("mlp", 6, 3, hidden=(5,), seed=0)
+    params, grads = model.params, model.grads
+    before = {k: v.copy() for k, v in params.items()}
+    x, y = np.ones((2, 6), np.float32), np.array([0, 2])
+    expected = model.loss_and_grad(x, y)[0]
+    new_p, new_g = np.zeros_like(model.param_buffer), np.zeros_like(model.grad_buffer)
+    model.rebind(new_p, new_g)
+    assert model.params is params and model.grads is grads
+    assert model.param_buffer is new_p and all(np.shares_memory(v, new_p) for v in params.values())
+    assert all(np.array_equal(params[k], before[k]) for k in before)
+    assert model.loss_and_grad(x, y)[0] == expected
+    assert all(np.shares_memory(v, new_g) for v in grads.values())
+    with pytest.raises(ValueError, match="flat buffers of 53 float32"):
+        model.rebind(np.zeros(52, np.float32), new_g)
