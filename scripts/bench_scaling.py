@@ -1,13 +1,15 @@
 """Scaling efficiency of ``ringtrain train`` from 1 to 2 ranks, one thread per rank.
 
     python scripts/bench_scaling.py                    # 5 repeats, the issue's workload
+    python scripts/bench_scaling.py --variant= --variant=--no-shard-optimizer
     python scripts/bench_scaling.py --repeats 3 -- --no-overlap
 
 Runs ``mpirun -np 1`` and ``mpirun -np 2`` of
 
     ringtrain train --dataset mnist5k --model mlp --hidden 512,512 --batch-size 64
 
-alternately (1, 2, 1, 2, ...) so that background load hits both alike, with
+alternately (1, 2, 1, 2, ..., and each ``--variant`` in turn within a
+repeat) so that background load hits all alike, with
 ``OMP_NUM_THREADS=1``. Each run's throughput is the median of its steady-state
 ``samples_per_sec`` train events in ``metrics.jsonl`` (the first window,
 which pays for warm-up, is dropped); the reported figure is the median over
@@ -48,30 +50,43 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs at each size (default 5)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("extra", nargs="*", help="after --: more ringtrain train flags")
+    parser.add_argument("--variant", action="append", metavar="FLAGS",
+                        help="a setting to measure, as ringtrain train flags in one string (repeatable; "
+                             "default: the defaults alone); e.g. --variant= --variant=--no-shard-optimizer (with '=', since the flags start with a dash)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per variant instead of a table")
+    parser.add_argument("extra", nargs="*", help="after --: more ringtrain train flags, for every variant")
     args = parser.parse_args(argv)
+    variants = args.variant or [""]
     load = os.getloadavg()[0]
-    speeds = {1: [], 2: []}
+    speeds = {(v, np): [] for v in variants for np in (1, 2)}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         for r in range(args.repeats):
-            for np in (1, 2):
-                speeds[np].append(one_run(np, os.path.join(tmp, f"{np}-{r}"), args.epochs, args.extra))
-    one, two = statistics.median(speeds[1]), statistics.median(speeds[2])
-    pairs = [b / (2 * a) for a, b in zip(speeds[1], speeds[2])]
-    result = {"samples_per_sec_1": one, "samples_per_sec_2": two, "efficiency": two / (2 * one),
-              "efficiency_per_repeat": pairs, "runs_1": speeds[1], "runs_2": speeds[2],
-              "load_before": load, "load_after": os.getloadavg()[0], "extra": args.extra}
+            for k, variant in enumerate(variants):
+                for np in (1, 2):
+                    run_dir = os.path.join(tmp, f"{k}-{np}-{r}")
+                    speeds[variant, np].append(one_run(np, run_dir, args.epochs, variant.split() + args.extra))
+    results = []
+    for variant in variants:
+        one, two = statistics.median(speeds[variant, 1]), statistics.median(speeds[variant, 2])
+        pairs = [b / (2 * a) for a, b in zip(speeds[variant, 1], speeds[variant, 2])]
+        results.append({"variant": variant, "samples_per_sec_1": one, "samples_per_sec_2": two,
+                        "efficiency": two / (2 * one), "efficiency_per_repeat": pairs,
+                        "runs_1": speeds[variant, 1], "runs_2": speeds[variant, 2], "extra": args.extra})
+    after = os.getloadavg()[0]
     if args.json:
-        print(json.dumps(result))
+        for result in results:
+            print(json.dumps({**result, "load_before": load, "load_after": after}))
         return 0
     print(f"ringtrain train {' '.join(WORKLOAD + args.extra)}  ({args.repeats} repeats, OMP_NUM_THREADS=1)")
-    print(f"{'ranks':>5}  {'samples/s (median)':>18}  runs")
-    for np, value in ((1, one), (2, two)):
-        print(f"{np:>5}  {value:>18,.0f}  " + " ".join(f"{s:,.0f}" for s in speeds[np]))
-    print(f"scaling efficiency at 2 ranks: {result['efficiency']:.1%}  "
-          f"(per repeat: {', '.join(f'{p:.0%}' for p in pairs)})")
-    print(f"load average: {load:.2f} before, {result['load_after']:.2f} after")
+    print(f"{'variant':<24} {'ranks':>5}  {'samples/s (median)':>18}  runs")
+    for result in results:
+        for np in (1, 2):
+            runs = " ".join(f"{s:,.0f}" for s in result[f"runs_{np}"])
+            print(f"{result['variant'] or '(defaults)':<24} {np:>5}  {result[f'samples_per_sec_{np}']:>18,.0f}  {runs}")
+    for result in results:
+        print(f"scaling efficiency at 2 ranks, {result['variant'] or '(defaults)'}: {result['efficiency']:.1%}  "
+              f"(per repeat: {', '.join(f'{p:.0%}' for p in result['efficiency_per_repeat'])})")
+    print(f"load average: {load:.2f} before, {after:.2f} after")
     return 0
 
 

@@ -17,8 +17,9 @@ per rank, one thread per rank (``torch.set_num_threads(1)``,
 * ``ringtrain-torch``: the same torch model, its gradients averaged by
   :func:`ringtrain.interop.average_gradients_` through zero-copy NumPy views
   of the CPU tensors (one flat buffer, :func:`ringtrain.interop.bucket_view_`).
-* ``ringtrain-numpy``: ringtrain's own NumPy MLP with the same sizes, its
-  gradients averaged as ``ringtrain train`` does.
+* ``ringtrain-numpy``: ringtrain's own NumPy MLP with the same sizes, stepped
+  as ``ringtrain train`` steps it: the sharded optimizer step
+  (:class:`ringtrain.zero.ShardedStep`) at 2+ ranks.
 
 Each contestant runs under ``mpirun -np N`` (interleaved over repeats so that
 background load hits all alike). In each process, blocks of 20 steps
@@ -73,18 +74,31 @@ def _torch_model():
 def _steps(contestant, comm, data, plan):
     """Return ``step(rows, communicate)`` for one contestant."""
     if contestant == "ringtrain-numpy":
-        from ringtrain import allreduce_, broadcast_, build_model, build_optimizer
+        import numpy as np
+
+        from ringtrain import ShardedStep, allreduce_, broadcast_, build_model, build_optimizer
+        from ringtrain.zero import flat_layout
 
         model = build_model("mlp", SIZES[0], SIZES[-1], hidden=SIZES[1:-1], seed=0)
-        opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0)
-        for p in model.params.values():
-            broadcast_(p, comm=comm)
+        opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0,
+                              order=flat_layout(model))
+        broadcast_(model.param_buffer, comm=comm)  # the parameters are views into it
+        sharded = ShardedStep.create(comm, model, opt)  # None at 1 rank
+        metrics = np.zeros(4)
 
         def step(rows, communicate):
-            _, grads, _ = model.loss_and_grad(data.x[rows], data.y[rows])
-            if communicate:
+            loss, grads, correct = model.loss_and_grad(data.x[rows], data.y[rows])
+            if not communicate:
+                opt.step(model.params, grads, LR)
+            elif sharded is None:
                 allreduce_(model.grad_buffer, op="mean", comm=comm)  # the grads are views into it
-            opt.step(model.params, grads, LR)
+                opt.step(model.params, grads, LR)
+            else:  # as `ringtrain train` steps: reduce-scatter, metrics, update a shard, allgather
+                chunk = sharded.reduce_gradients()
+                metrics[:] = (loss, correct, len(rows), 0.0 if np.isfinite(chunk).all() else 1.0)
+                sharded.sum_small(metrics)
+                sharded.update(LR)
+                sharded.allgather()
 
         return step
 
