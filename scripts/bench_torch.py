@@ -88,8 +88,8 @@ def _steps(contestant, comm, data, plan):
 
         def step(rows, communicate):
             loss, grads, correct = model.loss_and_grad(data.x[rows], data.y[rows])
-            if not communicate:
-                opt.step(model.params, grads, LR)
+            if not communicate:  # the same arithmetic, no collective: the whole update or this rank's shard
+                opt.step(model.params, grads, LR) if sharded is None else sharded.update(LR)
             elif sharded is None:
                 allreduce_(model.grad_buffer, op="mean", comm=comm)  # the grads are views into it
                 opt.step(model.params, grads, LR)

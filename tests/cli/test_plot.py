@@ -1,10 +1,12 @@
 """``ringtrain plot`` and ``--timeline`` on a real two-rank run."""
 
 import json
+import os
+import sys
 
 import pytest
 
-from mpirun import mpirun, ringtrain as rt, run, show
+from mpirun import ROOT, mpirun, ringtrain as rt, run, show
 
 pytest.importorskip("matplotlib")
 
@@ -77,3 +79,25 @@ def test_timeline_is_a_chrome_trace_with_every_phase_on_every_rank(trained):
         assert buckets == {f"allreduce bucket {k}" for k in range(4)}, buckets  # 64-256-128-10: 4 buckets
         steps = {e["args"]["step"] for e in spans if e["pid"] == rank and e["name"] == "optimizer"}
         assert steps == set(range(len(steps)))  # one per step, from step 0
+
+
+def test_sharded_timeline_shows_its_phases_and_phases_py_summarises_them(tmp_path):
+    # Default buckets: one bucket, so the sharded step runs and the timeline shows its three phases.
+    timeline = tmp_path / "trace.json"
+    result = mpirun(2, rt("train", "--dataset", "digits", "--epochs", "2", "--eval-every", "0",
+                          "--run-dir", str(tmp_path / "run"), "--timeline", str(timeline)), timeout=120)
+    assert result.returncode == 0, show(result)
+    spans = [e for e in json.loads(timeline.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"data", "forward+backward", "reduce-scatter", "optimizer", "allgather"} <= mine, mine
+        assert "allreduce" not in mine
+    summary = run([sys.executable, os.path.join(ROOT, "scripts", "phases.py"), str(timeline)], timeout=60)
+    assert summary.returncode == 0, show(summary)
+    rows = {line.split()[0]: line.split()[1:] for line in summary.stdout.splitlines()[1:]}
+    assert summary.stdout.split("\n")[0].split()[-2:] == ["rank", "1"]
+    for phase in ("reduce-scatter", "optimizer", "allgather", "period"):
+        assert len(rows[phase]) == 2 and all(float(v.replace(",", "")) > 0 for v in rows[phase]), summary.stdout
+    bad = run([sys.executable, os.path.join(ROOT, "scripts", "phases.py"), str(tmp_path / "run" / "config.json")],
+              timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, show(bad)
