@@ -2,7 +2,8 @@
 
 Like Horovod's timeline: open the file in https://ui.perfetto.dev or
 chrome://tracing. Each rank is a process row (``pid`` = rank), each phase of
-each step (data, forward+backward, allreduce, optimizer) a bar on it. With
+each step (data, forward+backward, then allreduce and optimizer, or, sharded,
+reduce-scatter, optimizer and allgather) a bar on it. With
 overlap, the communication thread is a second row of the rank (``tid`` 1)
 with one bar per gradient bucket, under the backward it hides behind.
 """
