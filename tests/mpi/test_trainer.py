@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain.config import TrainConfig
+from ringtrain.models import build_model
 from ringtrain.trainer import params_digest, train
 
 QUIET = dict(progress=False, log_every=1000, eval_every=0)
@@ -134,12 +135,17 @@ def test_sharded_optimizer_step_gives_bitwise_the_unsharded_run(algorithm, optim
     base = TrainConfig(dataset="synthetic", samples=301, features=24, classes=5, hidden=(32, 16), epochs=2,
                        batch_size=8, optimizer=optimizer, lr=0.05, weight_decay=0.01, allreduce=algorithm,
                        resume="none", **QUIET)
-    sharded = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "sharded")), comm)
+    # The caller's own model: the sharded step moves its buffers into shared
+    # memory for the run and must hand them back before freeing the window.
+    model = build_model("mlp", 24, 5, hidden=(32, 16), seed=base.seed)
+    sharded = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "sharded")), comm, model=model)
     whole = train(dataclasses.replace(base, run_dir=os.path.join(tmp, "whole"), shard_optimizer=False), comm)
     digests = comm.allgather((params_digest(sharded.params), params_digest(whole.params)))
+    after = model.evaluate(np.ones((3, 24), np.float32), np.array([0, 1, 2]))  # usable after the run
     assert all(d == digests[0] for d in digests)
     assert digests[0][0] == digests[0][1]
     assert sharded.eval == whole.eval
+    assert params_digest(model.params) == digests[0][0] and np.isfinite(after[0])
 
 
 @pytest.mark.mpi
