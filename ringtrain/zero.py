@@ -26,13 +26,16 @@ The result is bitwise that of an allreduce over the same transport
 (``algorithm="shm"`` or ``"ring"``, ``op="mean"``) followed by
 ``Optimizer.step``: each chunk is reduced by the same code in the same order,
 divided the same way, and the update is elementwise (tested at 1 to 4 ranks).
+Over MPI's own collectives it is equal to rounding: MPI picks the order.
 
-Two transports carry the phases. Ranks on one host use their own MPI
-shared-memory window (:class:`ringtrain.shm.SharedArena`): each rank reads
-its peers' slots directly, each phase is one barrier, and the small sum
-rides in a header at the end of each slot. Otherwise the ring's two phases
-(:func:`ringtrain.ring.ring_reduce_scatter`, :func:`~ringtrain.ring.ring_allgather`)
-run on a duplicate communicator and the small sum is one ``Allreduce``.
+Three transports carry the phases (:func:`transport_for` picks one). Ranks
+on one host use their own MPI shared-memory window
+(:class:`ringtrain.shm.SharedArena`): each rank reads its peers' buffers
+directly, each phase is one barrier, and the small sum rides in a header at
+the end of each slot. Otherwise the ring's two phases
+(:func:`ringtrain.ring.ring_reduce_scatter`, :func:`~ringtrain.ring.ring_allgather`),
+or for small gradients MPI's own ``Reduce_scatter`` and ``Allgatherv``, run
+on a duplicate communicator, and the small sum is one ``Allreduce``.
 
 The optimizer state stays whole on every rank, but only the own chunk of it
 advances; :meth:`ShardedStep.gather_state` brings every rank's copy up to
@@ -43,11 +46,13 @@ trains, the time is what matters.
 
 import numpy as np
 
+from .collectives import RING_BYTES
 from .ring import chunk_bounds, ring_allgather, ring_reduce_scatter
 from .shm import SINGLE_BLOCK_BYTES, SharedArena
 
-__all__ = ["ShardedStep", "flat_layout", "SMALL_VALUES"]
+__all__ = ["ShardedStep", "flat_layout", "transport_for", "SMALL_VALUES", "ALGORITHMS"]
 
+ALGORITHMS = ("auto", "ring", "mpi", "shm")  # the --allreduce choices a step can be sharded under
 SMALL_VALUES = 16  # float64 values that sum_small can carry
 _HEADER_BYTES = SMALL_VALUES * 8
 _SEGMENT_BYTES = 1 << 20  # the ring's pipeline segment, as in ringtrain.collectives
@@ -55,6 +60,27 @@ _SEGMENT_BYTES = 1 << 20  # the ring's pipeline segment, as in ringtrain.collect
 
 def _address(a):
     return a.__array_interface__["data"][0]
+
+
+def transport_for(algorithm, nbytes, one_host):
+    """The transport for a flat gradient of ``nbytes``: "shm", "ring", "mpi", or None (do not shard).
+
+    As the allreduce chooses (:mod:`ringtrain.collectives`): "auto" takes
+    shared memory on one host while the gradient fits one slot, otherwise
+    the ring from :data:`~ringtrain.collectives.RING_BYTES` up and MPI's own
+    ``Reduce_scatter``/``Allgatherv`` below (latency-bound sizes, where MPI's
+    algorithms beat a ring of 2(N-1) steps). "ring", "mpi" and "shm" force
+    theirs; "shm" where it cannot apply, and "hierarchical", give None.
+    """
+    if algorithm not in ALGORITHMS:
+        return None
+    if algorithm in ("auto", "shm") and one_host and nbytes + _HEADER_BYTES <= SINGLE_BLOCK_BYTES:
+        return "shm"
+    if algorithm == "shm":
+        return None
+    if algorithm == "ring" or (algorithm == "auto" and nbytes >= RING_BYTES):
+        return "ring"
+    return "mpi"
 
 
 def flat_layout(model):
@@ -109,11 +135,11 @@ class ShardedStep:
         """A :class:`ShardedStep` for ``model`` and ``opt`` on ``comm``, or None where it does not apply.
 
         Collective; every rank gets the same answer. It applies to more than
-        one rank, a model with a :func:`flat_layout` on the CPU, an optimizer
-        whose state is laid out in that order (``build_optimizer(...,
-        order=flat_layout(model))``), and ``algorithm`` "auto", "ring" or
-        "shm" ("shm" only where the ranks share a host and the gradient fits
-        one slot of the window; "mpi" and "hierarchical" keep the allreduce).
+        one rank, a model with a :func:`flat_layout` on the CPU, and an
+        optimizer whose state is laid out in that order
+        (``build_optimizer(..., order=flat_layout(model))``). The transport
+        follows ``algorithm`` as :func:`transport_for` says; "hierarchical"
+        (and "shm" where it cannot apply) keep the allreduce: None.
 
         On shared memory, a model with a ``rebind(param_buffer, grad_buffer)``
         method (:meth:`ringtrain.models.MLP.rebind`) has its buffers moved
@@ -122,7 +148,7 @@ class ShardedStep:
         """
         from mpi4py import MPI
 
-        if comm.Get_size() == 1 or algorithm not in ("auto", "ring", "shm"):
+        if comm.Get_size() == 1 or algorithm not in ALGORITHMS:
             return None
         order = flat_layout(model)
         fits = order is not None and getattr(opt, "flat", False) and tuple(opt.order) == tuple(order)
@@ -130,16 +156,17 @@ class ShardedStep:
             return None
         gbuf = model.grad_buffer
         transport = None
-        if algorithm in ("auto", "shm") and gbuf.nbytes + _HEADER_BYTES <= SINGLE_BLOCK_BYTES:
+        if transport_for(algorithm, gbuf.nbytes, one_host=True) == "shm":
             rebind = comm.allreduce(int(callable(getattr(model, "rebind", None))), op=MPI.MIN)
-            transport = _ShmTransport.create(comm, model, bool(rebind))
-        if transport is None and algorithm != "shm":
-            transport = _RingTransport(comm.Dup(), gbuf.size, gbuf.dtype)
+            transport = _ShmTransport.create(comm, model, bool(rebind))  # None across hosts
+        kind = "shm" if transport is not None else transport_for(algorithm, gbuf.nbytes, one_host=False)
+        if kind in ("ring", "mpi"):
+            transport = (_RingTransport if kind == "ring" else _MpiTransport)(comm.Dup(), gbuf.size, gbuf.dtype)
         return cls(transport, model, opt) if transport is not None else None
 
     @property
     def kind(self):
-        """"shm" or "ring": the transport in use."""
+        """"shm", "ring" or "mpi": the transport in use."""
         return self.transport.kind
 
     def reduce_gradients(self):
@@ -307,6 +334,45 @@ class _RingTransport:
 
     def allgather(self, x, shared=None):
         ring_allgather(self.comm, x, self.bounds)
+
+    def close(self, model):
+        self.comm.Free()
+
+
+class _MpiTransport:
+    """The three phases as MPI's own ``Reduce_scatter``, ``Allreduce`` and ``Allgatherv``.
+
+    Rank r owns chunk r. MPI may add in another order than the ring: equal
+    to the allreduce's result to rounding, not bitwise.
+    """
+
+    kind = "mpi"
+    shared_params = shared_grads = None
+
+    def __init__(self, comm, n, dtype):
+        from mpi4py import MPI
+
+        self.MPI, self.comm, self.rank, self.size = MPI, comm, comm.Get_rank(), comm.Get_size()
+        self.bounds = chunk_bounds(n, self.size)
+        self.owned = (self.bounds[self.rank], self.bounds[self.rank + 1])
+        self.counts = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+        self.displs = self.bounds[:-1]
+        self.datatype = MPI.Datatype.fromcode(np.dtype(dtype).char)
+        self.received = np.empty(self.counts[self.rank], dtype)
+
+    def begin(self):
+        pass
+
+    def reduce_scatter(self, x, shared=None):
+        self.comm.Reduce_scatter([x, self.datatype], [self.received, self.datatype], self.counts, op=self.MPI.SUM)
+        a, b = self.owned
+        x[a:b] = self.received
+
+    def sum_small(self, values):
+        self.comm.Allreduce(self.MPI.IN_PLACE, values, op=self.MPI.SUM)
+
+    def allgather(self, x, shared=None):
+        self.comm.Allgatherv(self.MPI.IN_PLACE, [x, self.counts, self.displs, self.datatype])
 
     def close(self, model):
         self.comm.Free()
