@@ -359,6 +359,8 @@ class _Loop:
         log.print(f"ringtrain: {self.comm.Get_size()} rank(s), {self.data.num_train} training samples, "
                   f"batch {cfg.batch_size} per rank ({gbatch} global), {steps} steps per epoch, "
                   f"run directory {log.run_dir}")
+        if self.comm.Get_size() > 1:
+            log.print(f"ringtrain: {self._averaging()}")
         bar = self._progress(step)
         stopped = "done"
         window = np.zeros(3, np.float64)
@@ -414,6 +416,15 @@ class _Loop:
         log.close()
         params = {name: backend.to_numpy(p).copy() for name, p in self.params.items()}
         return TrainResult(params, step, epoch, self.last_train, self.last_eval, log.run_dir, stopped)
+
+    def _averaging(self):
+        """How this run averages gradients, in words (for the start of the log)."""
+        if self.sharded is not None:
+            return f"sharded optimizer step (reduce-scatter, update, allgather) over {self.sharded.kind}"
+        how = f"allreduce ({self.cfg.allreduce}"
+        how += ", float16 on the wire" if self.compression else ""
+        how += f", overlapped in {len(self.reducer.buckets)} buckets)" if self.reducer is not None else ")"
+        return how + ", then the whole update on every rank"
 
     # -- hooks ----------------------------------------------------------------
     def _time_up(self):

@@ -87,7 +87,9 @@ def test_hierarchical_allreduce_across_hosts_matches_mpi_and_only_leaders_cross(
         assert n * 8 < count < (2 + 0.3) * n * 8, f"{host} received {count} bytes"
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+# "auto": across hosts this small model's sharded step runs on MPI's own
+# Reduce_scatter/Allgatherv; on one host, on shared memory.
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
 def test_training_across_hosts_ends_like_the_same_run_on_one_host(cluster, tmp_path, algorithm):  # noqa: F811
     # The run directories are on the filesystem every namespace shares; only rank 0 writes.
     args = ["train", "--dataset", "digits", "--epochs", "2", "--hidden", "32", "--seed", "5",
@@ -100,10 +102,14 @@ def test_training_across_hosts_ends_like_the_same_run_on_one_host(cluster, tmp_p
     want, want_meta = load_checkpoint(str(tmp_path / "here"))
     assert got_meta["step"] == want_meta["step"] > 0 and got_meta["world_size"] == 4
     assert sorted(got) == sorted(want)
+    transport = {"ring": ("ring", "ring"), "hierarchical": (None, None), "auto": ("mpi", "shm")}[algorithm]
+    for result, kind in zip((across, here), transport):
+        line = f"sharded optimizer step (reduce-scatter, update, allgather) over {kind}" if kind else "allreduce (hier"
+        assert line in result.stdout, show(result)
     if algorithm == "ring":
         # The ring's order of additions does not depend on where ranks run: bitwise equal.
         assert all(got[k].tobytes() == want[k].tobytes() for k in want), "parameters differ"
     else:
-        # Two hosts of two ranks add in another order than one host of four: equal to rounding.
+        # Another order of additions across hosts than on one host: equal to rounding.
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
