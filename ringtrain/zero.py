@@ -46,7 +46,7 @@ trains, the time is what matters.
 
 import numpy as np
 
-from .collectives import RING_BYTES
+from .collectives import RING_BYTES, SEGMENT_BYTES
 from .ring import chunk_bounds, ring_allgather, ring_reduce_scatter
 from .shm import SINGLE_BLOCK_BYTES, SharedArena
 
@@ -55,7 +55,6 @@ __all__ = ["ShardedStep", "flat_layout", "transport_for", "SMALL_VALUES", "ALGOR
 ALGORITHMS = ("auto", "ring", "mpi", "shm")  # the --allreduce choices a step can be sharded under
 SMALL_VALUES = 16  # float64 values that sum_small can carry
 _HEADER_BYTES = SMALL_VALUES * 8
-_SEGMENT_BYTES = 1 << 20  # the ring's pipeline segment, as in ringtrain.collectives
 
 
 def _address(a):
@@ -175,7 +174,6 @@ class ShardedStep:
         The rest of the grad buffer is left partly reduced: only the chunk is meaningful.
         """
         grads = self.model.grad_buffer
-        self.transport.begin()
         self.transport.reduce_scatter(grads, self.transport.shared_grads)
         chunk = grads[self.start:self.stop]
         np.divide(chunk, self.size, out=chunk)
@@ -201,7 +199,6 @@ class ShardedStep:
     def gather_state(self):
         """Bring every rank's copy of the optimizer state up to date from the chunks' owners (collective)."""
         for flat in self.opt.flat_state():
-            self.transport.begin()
             self.transport.allgather(flat)
 
     def close(self):
@@ -212,11 +209,12 @@ class ShardedStep:
 class _ShmTransport:
     """The three phases through a shared-memory window: one barrier each.
 
-    Staged arrays go through each rank's slot. Each unit of work (a step, or
-    one gather) uses one half of every slot, alternating, and writes only
-    before its first barrier or into ranges no peer reads in that unit. What
-    it overwrites was last read two units back, before a barrier every rank
-    has since passed; so no unit needs a closing barrier.
+    Staged arrays go through each rank's slot. Each call (one phase) uses one
+    half of every slot, alternating, and has one barrier: it writes its half
+    before the barrier and reads after it. What it overwrites was last read
+    two calls back, before the barrier of the call in between, which every
+    rank has since passed; so no call needs a closing barrier, and the calls
+    may come in any order.
 
     A model's own buffers, when they live in the window (``shared_params``,
     ``shared_grads``: every rank's buffer), are read by peers in place. Each
@@ -256,7 +254,7 @@ class _ShmTransport:
             model.rebind(*everyone[arena.rank])
         return transport
 
-    def begin(self):
+    def _next_half(self):
         self.base = (self.units % 2) * self.arena.half
         self.units += 1
 
@@ -264,6 +262,7 @@ class _ShmTransport:
         return [slot[self.base:self.base + n * dtype.itemsize].view(dtype) for slot in self.arena.slots]
 
     def reduce_scatter(self, x, shared=None):
+        self._next_half()
         bounds, rank = self.bounds, self.rank
         views = shared
         if views is None:
@@ -280,6 +279,7 @@ class _ShmTransport:
                 np.add(chunk, views[peer][a:b], out=chunk)
 
     def sum_small(self, values):
+        self._next_half()
         end = self.base + self.arena.half
         headers = [slot[end - _HEADER_BYTES:end].view(np.float64)[:values.size] for slot in self.arena.slots]
         headers[self.rank][:] = values
@@ -289,6 +289,7 @@ class _ShmTransport:
             values += header
 
     def allgather(self, x, shared=None):
+        self._next_half()
         bounds, rank = self.bounds, self.rank
         views = shared
         if views is None:
@@ -318,11 +319,8 @@ class _RingTransport:
         self.bounds = chunk_bounds(n, self.size)
         owner = (self.rank + 1) % self.size  # where the ring's reduce-scatter leaves a finished chunk
         self.owned = (self.bounds[owner], self.bounds[owner + 1])
-        self.segment = max(1, _SEGMENT_BYTES // np.dtype(dtype).itemsize)
+        self.segment = max(1, SEGMENT_BYTES // np.dtype(dtype).itemsize)
         self.stages = (np.empty(self.segment, dtype), np.empty(self.segment, dtype))
-
-    def begin(self):
-        pass
 
     def reduce_scatter(self, x, shared=None):
         ring_reduce_scatter(self.comm, x, np.add, self.stages, self.segment)
@@ -359,9 +357,6 @@ class _MpiTransport:
         self.displs = self.bounds[:-1]
         self.datatype = MPI.Datatype.fromcode(np.dtype(dtype).char)
         self.received = np.empty(self.counts[self.rank], dtype)
-
-    def begin(self):
-        pass
 
     def reduce_scatter(self, x, shared=None):
         self.comm.Reduce_scatter([x, self.datatype], [self.received, self.datatype], self.counts, op=self.MPI.SUM)

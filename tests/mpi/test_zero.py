@@ -106,6 +106,10 @@ def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
     values = np.array([rank + 1.0, 0.25 * rank, 2.0**-rank])
     expected = comm.allreduce(values.copy(), op=MPI.SUM)
     sharded.sum_small(values)
+    # Phases may come in any order: three sums back to back, each with its own values.
+    more = [np.array([rank * k, -1.0]) for k in range(3)]
+    for m in more:
+        sharded.sum_small(m)
     # The last rank alone has a NaN gradient, in a chunk some rank owns.
     model.grad_buffer[:] = 1.0
     if rank == size - 1:
@@ -115,6 +119,7 @@ def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
     sharded.sum_small(bad)
     sharded.close()
     np.testing.assert_allclose(values, expected, rtol=1e-15)
+    assert [list(m) for m in more] == [[k * size * (size - 1) / 2, -size] for k in range(3)]
     assert bad[0] == 1.0
 
 
