@@ -303,7 +303,7 @@ class _Loop:
             with tl.span("optimizer", step):
                 self.opt.step(self.params, grads, self._lr(step))
         self.metrics[:] = (loss * len(rows), correct, len(rows), self._should_stop(step + 1), 0.0)
-        with self.dog.watch("metrics allreduce", step + 1, self.left):
+        with self.dog.watch("metrics allreduce", step, self.left):
             self.comm.Allreduce(_in_place(), self.metrics)
         return finite
 
