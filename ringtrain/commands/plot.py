@@ -8,9 +8,16 @@ file, so a step recorded twice keeps its latest record. Needs matplotlib
 (``pip install 'ringtrain[plot]'``); it draws with the Agg backend, so no
 display is needed.
 
+With ``--timeline TRACE`` (a file from ``ringtrain train --timeline``) it
+also draws ``timeline.png``: a few consecutive steps of every rank, one row
+per rank (and one per communication thread), each phase a coloured bar on
+one shared clock, so a rank that waits for another shows as a long
+communication bar.
+
 Example::
 
     ringtrain plot runs/mnist -o figures     # writes figures/metrics.png
+    ringtrain plot runs/mnist --timeline trace.json --steps 3   # and figures/timeline.png
 """
 
 import json
@@ -19,17 +26,25 @@ import statistics
 
 from ..errors import UsageError
 
-__all__ = ["read_metrics", "draw"]
+__all__ = ["read_metrics", "draw", "read_trace", "timeline_window", "draw_timeline"]
 
-HELP = "draw a run's loss, accuracy and throughput curves to a PNG"
+HELP = "draw a run's loss, accuracy and throughput curves (and its timeline) to PNG"
 
 FILENAME = "metrics.png"
+TIMELINE_FILENAME = "timeline.png"
 
 
 def add_arguments(parser):
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
     parser.add_argument("-o", "--out-dir", metavar="OUT_DIR",
-                        help=f"where {FILENAME} goes (default: RUN_DIR)")
+                        help=f"where {FILENAME} (and {TIMELINE_FILENAME}) go (default: RUN_DIR)")
+    parser.add_argument("--timeline", metavar="TRACE",
+                        help=f"also draw {TIMELINE_FILENAME} from this 'ringtrain train --timeline' file")
+    parser.add_argument("--steps", type=int, default=3, metavar="N",
+                        help="with --timeline: how many consecutive steps to draw (default 3)")
+    parser.add_argument("--from-step", type=int, default=None, metavar="S",
+                        help="with --timeline: the first step drawn (default 20, past warm-up, or as late "
+                             "as the run allows)")
 
 
 def read_metrics(run_dir):
@@ -122,7 +137,81 @@ def draw(metrics, path, title=""):
     return path
 
 
+def read_trace(path):
+    """The complete spans (``"ph": "X"``, with a step) of a ``--timeline`` file; UsageError if it is not one."""
+    try:
+        with open(path) as fh:
+            trace = json.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"--timeline {path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"--timeline {path}: cannot read it ({exc.strerror})") from None
+    except ValueError:
+        raise UsageError(f"--timeline {path}: not JSON; give a file written by 'ringtrain train --timeline'") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list):
+        raise UsageError(f"--timeline {path}: not a Chrome trace (no traceEvents list)")
+    spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
+             and isinstance(e.get("args", {}).get("step"), int)]
+    if not spans:
+        raise UsageError(f"--timeline {path}: no step spans in it")
+    return spans
+
+
+def timeline_window(spans, first, count):
+    """The spans of steps ``[first, first + count)``, as ``{(rank, thread): [(name, start_ms, length_ms)]}``.
+
+    Times are on the trace's shared clock, from the earliest span drawn.
+    Pure; ``first`` is clipped so that the window lies inside the run.
+    """
+    last = max(e["args"]["step"] for e in spans)
+    first = max(0, min(first, last - count + 1))
+    chosen = [e for e in spans if first <= e["args"]["step"] < first + count]
+    origin = min(e["ts"] for e in chosen)
+    rows = {}
+    for e in sorted(chosen, key=lambda e: e["ts"]):
+        rows.setdefault((e["pid"], e["tid"]), []).append((e["name"], (e["ts"] - origin) / 1e3, e["dur"] / 1e3))
+    return dict(sorted(rows.items())), first
+
+
+def _phase(name):
+    return "allreduce bucket" if name.startswith("allreduce bucket") else name
+
+
+def draw_timeline(rows, path, title=""):
+    """Draw :func:`timeline_window`'s rows as horizontal bars to the PNG ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("ringtrain plot needs matplotlib; pip install 'ringtrain[plot]'") from None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    phases = list(dict.fromkeys(_phase(n) for spans in rows.values() for n, _, _ in spans))
+    colours = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(phases)}
+    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.55 * len(rows)), layout="constrained")
+    for y, spans in enumerate(rows.values()):
+        ax.broken_barh([(start, length) for _, start, length in spans], (y - 0.35, 0.7),
+                       facecolors=[colours[_phase(n)] for n, _, _ in spans], edgecolor="white", linewidth=0.5)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r}" + (" comm" if t else "") for r, t in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(handles=[Patch(color=colours[p], label=p) for p in phases], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.2), ncol=len(phases), frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def run(args):
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    spans = read_trace(args.timeline) if args.timeline else None
     metrics = read_metrics(args.run_dir)
     if not metrics["train"] and not metrics["eval"]:
         raise UsageError(f"{args.run_dir}: metrics.jsonl has no train or eval events to plot yet")
@@ -133,4 +222,9 @@ def run(args):
         raise UsageError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
     path = draw(metrics, os.path.join(out_dir, FILENAME), _title(args.run_dir))
     print(path)
+    if spans is not None:
+        rows, first = timeline_window(spans, 20 if args.from_step is None else args.from_step, args.steps)
+        last = first + args.steps - 1
+        title = f"{_title(args.run_dir)}: " + (f"steps {first}-{last}" if last > first else f"step {first}")
+        print(draw_timeline(rows, os.path.join(out_dir, TIMELINE_FILENAME), title))
     return 0

@@ -101,3 +101,46 @@ def test_sharded_timeline_shows_its_phases_and_phases_py_summarises_them(tmp_pat
     bad = run([sys.executable, os.path.join(ROOT, "scripts", "phases.py"), str(tmp_path / "run" / "config.json")],
               timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, show(bad)
+
+
+def test_plot_draws_the_timeline_of_a_few_steps(trained, tmp_path):
+    run_dir, timeline = trained
+    result = run(rt("plot", str(run_dir), "--timeline", str(timeline), "--steps", "2", "-o", str(tmp_path)),
+                 timeout=60)
+    assert result.returncode == 0, show(result)
+    assert result.stdout.split() == [str(tmp_path / "metrics.png"), str(tmp_path / "timeline.png")]
+    from matplotlib import image
+
+    from ringtrain.commands.plot import read_trace, timeline_window
+
+    assert image.imread(str(tmp_path / "timeline.png")).shape[1] > 800
+    spans = read_trace(str(timeline))
+    rows, first = timeline_window(spans, 10**6, 2)  # clipped to the run's last two steps
+    last = max(e["args"]["step"] for e in spans)
+    assert first == last - 1
+    # Two ranks, each with its main row and its communication thread's row (four buckets).
+    assert list(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    starts = [start for spans_ in rows.values() for _, start, _ in spans_]
+    assert min(starts) == 0.0
+    expected = sum(1 for e in spans if first <= e["args"]["step"] <= last)
+    assert sum(len(r) for r in rows.values()) == expected
+
+
+@pytest.mark.parametrize("content, flags, needle", [
+    (None, [], "no such file"),
+    ("not json", [], "not JSON"),
+    ('{"events": []}', [], "not a Chrome trace"),
+    ('{"traceEvents": [{"ph": "M", "name": "process_name"}]}', [], "no step spans"),
+    ('{"traceEvents": []}', ["--steps", "0"], "--steps must be at least 1"),
+])
+def test_bad_timeline_is_one_line_exit_2(trained, tmp_path, content, flags, needle):
+    run_dir, _ = trained
+    trace = tmp_path / "trace.json"
+    if content is not None:
+        trace.write_text(content)
+    result = run(rt("plot", str(run_dir), "--timeline", str(trace), *flags, "-o", str(tmp_path / "out")),
+                 timeout=60)
+    assert result.returncode == 2, show(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], show(result)
+    assert not (tmp_path / "out").exists()  # nothing written
