@@ -254,9 +254,11 @@ class _Loop:
                                    op="mean", compression=self.compression, algorithm=cfg.allreduce,
                                    trace=self._bucket_span if self.timeline.enabled else None)
         self.sharded = None
-        if cfg.shard_optimizer and self.reducer is None and self.compression is None and xp is np:
+        # One rank has nothing to shard: it keeps the plain step (the baseline scaling is measured against).
+        if (cfg.shard_optimizer and comm.Get_size() > 1 and self.reducer is None and self.compression is None
+                and xp is np):
             # May move the model's buffers into shared memory: the old views go stale.
-            self.sharded = ShardedStep.create(comm, model, opt, cfg.allreduce)
+            self.sharded = ShardedStep.create(model, opt, comm, cfg.allreduce)
             if self.sharded is not None:
                 self.grad_slices = None
         self.total_steps = cfg.epochs * plan.steps_per_epoch

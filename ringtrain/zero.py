@@ -130,15 +130,17 @@ class ShardedStep:
         self.start, self.stop = transport.owned
 
     @classmethod
-    def create(cls, comm, model, opt, algorithm="auto"):
+    def create(cls, model, opt, comm=None, algorithm="auto"):
         """A :class:`ShardedStep` for ``model`` and ``opt`` on ``comm``, or None where it does not apply.
 
-        Collective; every rank gets the same answer. It applies to more than
-        one rank, a model with a :func:`flat_layout` on the CPU, and an
-        optimizer whose state is laid out in that order
-        (``build_optimizer(..., order=flat_layout(model))``). The transport
-        follows ``algorithm`` as :func:`transport_for` says; "hierarchical"
-        (and "shm" where it cannot apply) keep the allreduce: None.
+        Collective over ``comm`` (default ``MPI.COMM_WORLD``); every rank
+        gets the same answer. It applies to a model with a
+        :func:`flat_layout` on the CPU and an optimizer whose state is laid
+        out in that order (``build_optimizer(..., order=flat_layout(model))``).
+        The transport follows ``algorithm`` as :func:`transport_for` says;
+        "hierarchical" (and "shm" where it cannot apply) keep the allreduce:
+        None. On one rank the phases do nothing and :meth:`update` is the
+        whole update, so the same loop runs at any size.
 
         On shared memory, a model with a ``rebind(param_buffer, grad_buffer)``
         method (:meth:`ringtrain.models.MLP.rebind`) has its buffers moved
@@ -147,13 +149,16 @@ class ShardedStep:
         """
         from mpi4py import MPI
 
-        if comm.Get_size() == 1 or algorithm not in ALGORITHMS:
+        comm = comm if comm is not None else MPI.COMM_WORLD
+        if algorithm not in ALGORITHMS:
             return None
         order = flat_layout(model)
         fits = order is not None and getattr(opt, "flat", False) and tuple(opt.order) == tuple(order)
         if not comm.allreduce(int(fits), op=MPI.MIN):
             return None
         gbuf = model.grad_buffer
+        if comm.Get_size() == 1:
+            return cls(_LocalTransport(gbuf.size), model, opt)
         transport = None
         if transport_for(algorithm, gbuf.nbytes, one_host=True) == "shm":
             rebind = comm.allreduce(int(callable(getattr(model, "rebind", None))), op=MPI.MIN)
@@ -165,7 +170,7 @@ class ShardedStep:
 
     @property
     def kind(self):
-        """"shm", "ring" or "mpi": the transport in use."""
+        """"shm", "ring" or "mpi": the transport in use ("local" on one rank)."""
         return self.transport.kind
 
     def reduce_gradients(self):
@@ -176,7 +181,8 @@ class ShardedStep:
         grads = self.model.grad_buffer
         self.transport.reduce_scatter(grads, self.transport.shared_grads)
         chunk = grads[self.start:self.stop]
-        np.divide(chunk, self.size, out=chunk)
+        if self.size > 1:
+            np.divide(chunk, self.size, out=chunk)
         return chunk
 
     def sum_small(self, values):
@@ -204,6 +210,29 @@ class ShardedStep:
     def close(self):
         """Move the model's buffers back to private memory; release the window or communicator (collective)."""
         self.transport.close(self.model)
+
+
+class _LocalTransport:
+    """One rank: it owns everything, and every phase is nothing."""
+
+    kind = "local"
+    size = 1
+    shared_params = shared_grads = None
+
+    def __init__(self, n):
+        self.owned = (0, n)
+
+    def reduce_scatter(self, x, shared=None):
+        pass
+
+    def sum_small(self, values):
+        pass
+
+    def allgather(self, x, shared=None):
+        pass
+
+    def close(self, model):
+        pass
 
 
 class _ShmTransport:

@@ -83,7 +83,8 @@ def _steps(contestant, comm, data, plan):
         opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0,
                               order=flat_layout(model))
         broadcast_(model.param_buffer, comm=comm)  # the parameters are views into it
-        sharded = ShardedStep.create(comm, model, opt)  # None at 1 rank
+        # As the trainer: the sharded step on several ranks, the plain step on one.
+        sharded = ShardedStep.create(model, opt, comm) if comm.Get_size() > 1 else None
         metrics = np.zeros(4)
 
         def step(rows, communicate):

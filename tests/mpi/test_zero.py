@@ -55,9 +55,9 @@ def batch(shape, step):
 def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, movable, name, settings, shape):
     reference, ref_opt = model_and_optimizer(shape, name, settings)
     model, opt = model_and_optimizer(shape, name, settings, movable)
-    sharded = ShardedStep.create(comm, model, opt, algorithm)
+    sharded = ShardedStep.create(model, opt, comm, algorithm)
     # Moved into the window: read in place by the peers (only on shared memory, only if it can move).
-    in_place = sharded is not None and sharded.transport.shared_params is not None
+    in_place = sharded.transport.shared_params is not None
     assert not in_place or np.shares_memory(model.param_buffer, sharded.transport.shared_params[rank])
     metrics = np.zeros(3)
     for step in range(5):
@@ -66,24 +66,18 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, mo
         allreduce_(reference.grad_buffer, op="mean", comm=comm, algorithm=algorithm)
         ref_opt.step(reference.params, reference.grads, 0.1)
         loss, _, correct = model.loss_and_grad(x, y)
-        if sharded is None:  # one rank: nothing to shard
-            opt.step(model.params, model.grads, 0.1)
-            continue
         sharded.reduce_gradients()
         metrics[:] = (loss, correct, 1.0)
         sharded.sum_small(metrics)
         sharded.update(0.1)
         sharded.allgather()
-    if sharded is not None:
-        sharded.gather_state()
-        kind = sharded.kind
-        sharded.close()  # moves the buffers back out: the window is gone
+    sharded.gather_state()
+    kind = sharded.kind
+    sharded.close()  # moves the buffers back out: the window is gone
     everyone = comm.allgather(model.param_buffer.tobytes())
-    assert (sharded is None) == (size == 1)
-    if sharded is not None:
-        assert kind == algorithm
-        assert in_place == (algorithm == "shm" and movable)
-        assert metrics[2] == size
+    assert kind == (algorithm if size > 1 else "local")  # one rank: the same loop, no communication
+    assert in_place == (algorithm == "shm" and movable and size > 1)
+    assert metrics[2] == size
     assert all(e == everyone[0] for e in everyone)
     expected = ref_opt.state_dict()
     if algorithm == "mpi":  # MPI's Reduce_scatter and Allreduce may add in different orders
@@ -100,9 +94,7 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, mo
 @pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi"])
 def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
     model, opt = model_and_optimizer(SHAPES[0], "sgd", {})
-    sharded = ShardedStep.create(comm, model, opt, algorithm)
-    if sharded is None:
-        pytest.skip("one rank: nothing to shard")
+    sharded = ShardedStep.create(model, opt, comm, algorithm)
     values = np.array([rank + 1.0, 0.25 * rank, 2.0**-rank])
     expected = comm.allreduce(values.copy(), op=MPI.SUM)
     sharded.sum_small(values)
@@ -134,16 +126,18 @@ def test_create_declines_where_the_step_cannot_be_sharded():
         params = {k: v.copy() for k, v in model.params.items()}
         grads = {k: v.copy() for k, v in model.grads.items()}
 
-    declined = [ShardedStep.create(comm, model, opt, "hierarchical"),
-                ShardedStep.create(comm, model, unordered, "auto"),
-                ShardedStep.create(comm, Loose(), build_optimizer("sgd", Loose.params, lr=0.1), "auto"),
-                ShardedStep.create(comm, big, big_opt, "shm")]
+    declined = [ShardedStep.create(model, opt, comm, "hierarchical"),
+                ShardedStep.create(model, unordered, comm, "auto"),
+                ShardedStep.create(Loose(), build_optimizer("sgd", Loose.params, lr=0.1), comm, "auto")]
+    big_shm = ShardedStep.create(big, big_opt, comm, "shm")  # too big for a slot (one rank needs none)
+    if big_shm is not None:
+        big_shm.close()
     kinds = []
     for m, o, algorithm in [(big, big_opt, "auto"), (model, opt, "mpi"), (model, opt, "auto")]:
-        made = ShardedStep.create(comm, m, o, algorithm)
-        kinds.append(made.kind if made is not None else None)
-        if made is not None:
-            made.close()
+        made = ShardedStep.create(m, o, comm, algorithm)
+        kinds.append(made.kind)
+        made.close()
     assert declined == [None] * len(declined)
+    assert (big_shm is None) == (size > 1)
     # Too big for a slot: the ring; "mpi" forced; small on one host: shared memory.
-    assert kinds == ([None] * 3 if size == 1 else ["ring", "mpi", "shm"])
+    assert kinds == (["local"] * 3 if size == 1 else ["ring", "mpi", "shm"])
