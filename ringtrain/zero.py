@@ -337,11 +337,24 @@ class _ShmTransport:
         self.arena.free()
 
 
-class _RingTransport:
+class _OverMPI:
+    """What the ring and MPI transports share: their own communicator and one small Allreduce."""
+
+    shared_params = shared_grads = None  # MPI moves the bytes: nothing is read in place
+
+    def sum_small(self, values):
+        from mpi4py import MPI
+
+        self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+
+    def close(self, model):
+        self.comm.Free()
+
+
+class _RingTransport(_OverMPI):
     """The three phases over MPI: the ring's reduce-scatter and allgather, and one small Allreduce."""
 
     kind = "ring"
-    shared_params = shared_grads = None  # MPI moves the bytes: nothing is read in place
 
     def __init__(self, comm, n, dtype):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
@@ -354,19 +367,11 @@ class _RingTransport:
     def reduce_scatter(self, x, shared=None):
         ring_reduce_scatter(self.comm, x, np.add, self.stages, self.segment)
 
-    def sum_small(self, values):
-        from mpi4py import MPI
-
-        self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
-
     def allgather(self, x, shared=None):
         ring_allgather(self.comm, x, self.bounds)
 
-    def close(self, model):
-        self.comm.Free()
 
-
-class _MpiTransport:
+class _MpiTransport(_OverMPI):
     """The three phases as MPI's own ``Reduce_scatter``, ``Allreduce`` and ``Allgatherv``.
 
     Rank r owns chunk r. MPI may add in another order than the ring: equal
@@ -374,7 +379,6 @@ class _MpiTransport:
     """
 
     kind = "mpi"
-    shared_params = shared_grads = None
 
     def __init__(self, comm, n, dtype):
         from mpi4py import MPI
@@ -392,11 +396,5 @@ class _MpiTransport:
         a, b = self.owned
         x[a:b] = self.received
 
-    def sum_small(self, values):
-        self.comm.Allreduce(self.MPI.IN_PLACE, values, op=self.MPI.SUM)
-
     def allgather(self, x, shared=None):
         self.comm.Allgatherv(self.MPI.IN_PLACE, [x, self.counts, self.displs, self.datatype])
-
-    def close(self, model):
-        self.comm.Free()

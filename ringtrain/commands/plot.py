@@ -93,14 +93,29 @@ def _title(run_dir):
     return f"{cfg.get('dataset', '?')}, {model}, batch {cfg.get('batch_size', '?')} per rank"
 
 
-def draw(metrics, path, title=""):
-    """Draw the three panels of ``metrics`` (from :func:`read_metrics`) to the PNG ``path``."""
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed), or a UsageError saying how to get it."""
     try:
         import matplotlib
     except ImportError:
         raise UsageError("ringtrain plot needs matplotlib; pip install 'ringtrain[plot]'") from None
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib import pyplot
+
+    return pyplot
+
+
+def _save(plt, fig, path, title, set_title):
+    if title:
+        set_title(title)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def draw(metrics, path, title=""):
+    """Draw the three panels of ``metrics`` (from :func:`read_metrics`) to the PNG ``path``."""
+    plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, PercentFormatter
 
     train, evals = metrics["train"], metrics["eval"]
@@ -130,11 +145,7 @@ def draw(metrics, path, title=""):
     speed_ax.set_title("throughput (samples/s, all ranks)")
     speed_ax.set_xlabel("step")
     speed_ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title, fig.suptitle)
 
 
 def read_trace(path):
@@ -180,12 +191,7 @@ def _phase(name):
 
 def draw_timeline(rows, path, title=""):
     """Draw :func:`timeline_window`'s rows as horizontal bars to the PNG ``path``."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError("ringtrain plot needs matplotlib; pip install 'ringtrain[plot]'") from None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    plt = _pyplot()
     from matplotlib.patches import Patch
 
     phases = list(dict.fromkeys(_phase(n) for spans in rows.values() for n, _, _ in spans))
@@ -201,11 +207,7 @@ def draw_timeline(rows, path, title=""):
     ax.grid(axis="x", alpha=0.3)
     ax.legend(handles=[Patch(color=colours[p], label=p) for p in phases], loc="upper center",
               bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.2), ncol=len(phases), frameon=False)
-    if title:
-        ax.set_title(title)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title, ax.set_title)
 
 
 def run(args):
