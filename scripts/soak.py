@@ -63,6 +63,11 @@ def main(argv=None):
     parser.add_argument("--tolerance-mb", type=float, default=4.0, help="allowed growth per rank, MiB")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:  # every rank sees the same flags, so all stop; rank 0 says why
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"soak: --warmup {args.warmup} must be at least 0 and below --steps {args.steps}, "
+                  "or no sample would count; raise --steps", file=sys.stderr)
+        return 2
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
 
