@@ -1,7 +1,7 @@
 """Models with an explicit backward pass, written once for NumPy and CuPy.
 
-The trainer needs three things from a model, and nothing else (micrograd's
-spirit: a protocol you can hold in your head):
+The trainer needs three things from a model (micrograd's spirit: a protocol
+you can hold in your head):
 
 ``params``
     An ordered dict ``name -> array``. The names are stable ("fc1.weight",
@@ -17,7 +17,10 @@ spirit: a protocol you can hold in your head):
     Sums, not means, over the given rows: the trainer adds them across ranks.
 
 Subclass :class:`Model` (which derives ``evaluate`` from ``logits``) or write
-any object with those three members. Arrays are whatever module the
+any object with those three members. A model that also keeps its parameters
+and gradients in one flat buffer each opts in to the fast tier by subclassing
+:class:`FlatModel` (the sharded optimizer step, in-place bucket reduction);
+any other model is averaged through the plain allreduce. Arrays are whatever module the
 parameters live in (``xp``, CuPy's idiom); this module never imports CuPy.
 
 Example::
@@ -31,9 +34,12 @@ import operator
 import numpy as np
 
 from . import backend
+from .flat import FlatLayout, address
 
 __all__ = [
     "Model",
+    "FlatModel",
+    "flat_layout",
     "MLP",
     "MODELS",
     "build_model",
@@ -115,7 +121,98 @@ def _xent(xp, z, y, rows, grad_scale):
     return loss_sum, correct
 
 
-class MLP(Model):
+class FlatModel(Model):
+    """A model whose parameters and gradients are views into one flat buffer each: the fast tier.
+
+    The trainer's fast paths (gradients reduced a bucket at a time in place,
+    the sharded optimizer step, the shared-memory window that peers read in
+    place) need to know where every parameter lies. A model opts in by
+    subclassing this class and calling :meth:`_init_flat` in its
+    constructor; the trainer checks the layout once (:meth:`layout`) and
+    every fast path uses that one answer. A model that does not opt in is
+    trained all the same, through the plain allreduce (the trainer's start-up
+    line says which path it took and why).
+
+    The contract, which :meth:`layout` verifies:
+
+    * ``params`` and ``grads`` are ordered dicts of views into
+      ``param_buffer`` and ``grad_buffer`` (1-D, one dtype), with the same
+      names, shapes and offsets, tiling the buffers with no gap;
+    * the layout is in REVERSE order of ``params``: backward finishes the last
+      layer first, so each run of gradients ``on_grad`` has delivered is one
+      slice of ``grad_buffer``;
+    * :meth:`loss_and_grad` writes the gradients into those views and returns
+      ``self.grads`` (the same objects every call);
+    * :meth:`rebind` moves both buffers elsewhere, keeping the layout (the
+      sharded step moves them into memory the other ranks on the host can read).
+    """
+
+    param_buffer = None
+    grad_buffer = None
+    grads = None
+    _layout = None
+
+    def _init_flat(self, shapes, xp, dtype):
+        """Make zeroed ``param_buffer``/``grad_buffer`` and the ``params``/``grads`` views for ``shapes``."""
+        self._layout = FlatLayout.from_shapes(shapes, list(reversed(shapes)))
+        self.param_buffer = xp.zeros(self._layout.size, dtype=dtype)
+        self.grad_buffer = xp.zeros(self._layout.size, dtype=dtype)
+        self.params = self._layout.views(self.param_buffer, shapes)
+        self.grads = self._layout.views(self.grad_buffer, shapes)
+
+    def layout(self):
+        """The verified :class:`~ringtrain.flat.FlatLayout` of the buffers.
+
+        Raises:
+            ValueError: naming the first parameter or gradient that is not
+                where the layout says (a subclass that broke the contract).
+        """
+        layout, pbuf, gbuf = self._layout, self.param_buffer, self.grad_buffer
+        if layout is None or pbuf is None or gbuf is None:
+            raise ValueError(f"{type(self).__name__} is a FlatModel but never called _init_flat()")
+        if pbuf.ndim != 1 or pbuf.shape != gbuf.shape or pbuf.dtype != gbuf.dtype or pbuf.size != layout.size:
+            raise ValueError(f"{type(self).__name__}: param_buffer and grad_buffer must be 1-D arrays of "
+                             f"{layout.size} elements of one dtype")
+        if list(self.params) != list(self.grads) or sorted(self.params) != sorted(layout.order):
+            raise ValueError(f"{type(self).__name__}: params and grads must name {list(reversed(layout.order))}")
+        for name, (start, stop) in layout.bounds.items():
+            for what, a, buf in (("parameter", self.params[name], pbuf), ("gradient", self.grads[name], gbuf)):
+                offset = (address(a) - address(buf)) // buf.itemsize
+                if offset != start or a.size != stop - start or a.dtype != buf.dtype or not a.flags.c_contiguous:
+                    raise ValueError(f"{type(self).__name__}: {what} {name!r} is not the view of its flat "
+                                     f"buffer at [{start}, {stop}); rebuild it with _init_flat() or rebind()")
+        return layout
+
+    def rebind(self, param_buffer, grad_buffer):
+        """Move the parameters and gradients into the flat arrays given, keeping the layout.
+
+        The new buffers must match :attr:`param_buffer` and :attr:`grad_buffer`
+        in size and dtype; their values are copied in. The ``params`` and
+        ``grads`` dicts are updated in place, so references to the dicts stay
+        valid (references to the old arrays do not).
+        """
+        for new, old in ((param_buffer, self.param_buffer), (grad_buffer, self.grad_buffer)):
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(f"rebind needs flat buffers of {old.size} {old.dtype} elements, "
+                                 f"got {new.shape} {new.dtype}")
+        param_buffer[...] = self.param_buffer
+        grad_buffer[...] = self.grad_buffer
+        shapes = {name: p.shape for name, p in self.params.items()}
+        self.param_buffer, self.grad_buffer = param_buffer, grad_buffer
+        self.params.update(self._layout.views(param_buffer, shapes))
+        self.grads.update(self._layout.views(grad_buffer, shapes))
+
+
+def flat_layout(model):
+    """The verified layout of a :class:`FlatModel`; None for a model that did not opt in.
+
+    Raises:
+        ValueError: for a FlatModel whose buffers break the contract.
+    """
+    return model.layout() if isinstance(model, FlatModel) else None
+
+
+class MLP(FlatModel):
     """Fully connected layers with ReLU between them and softmax cross-entropy on top.
 
     With no hidden layers this is multinomial logistic regression (the
@@ -145,11 +242,7 @@ class MLP(Model):
             std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
             host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
             host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
-        total = sum(a.size for a in host.values())
-        self.param_buffer = xp.zeros(total, dtype=self.dtype)
-        self.grad_buffer = xp.zeros(total, dtype=self.dtype)
-        self.params = _views(self.param_buffer, {name: a.shape for name, a in host.items()})
-        self.grads = _views(self.grad_buffer, {name: a.shape for name, a in host.items()})
+        self._init_flat({name: a.shape for name, a in host.items()}, xp, self.dtype)
         for name, a in host.items():
             # Drawn on the host in float64, then cast and moved, so CPU and GPU runs start identical.
             self.params[name][...] = xp.asarray(a.astype(self.dtype))
@@ -157,26 +250,6 @@ class MLP(Model):
 
     def __repr__(self):
         return f"MLP(sizes={self.sizes}, dtype={self.dtype.name}, xp={self.xp.__name__})"
-
-    def rebind(self, param_buffer, grad_buffer):
-        """Move the parameters and gradients into the flat arrays given, keeping the layout.
-
-        The new buffers must match :attr:`param_buffer` and :attr:`grad_buffer`
-        in size and dtype; their values are copied in. The ``params`` and
-        ``grads`` dicts are updated in place, so references to the dicts stay
-        valid (references to the old arrays do not). The sharded step uses it
-        to keep the buffers in memory the other ranks on the host can read.
-        """
-        for new, old in ((param_buffer, self.param_buffer), (grad_buffer, self.grad_buffer)):
-            if new.shape != old.shape or new.dtype != old.dtype:
-                raise ValueError(f"rebind needs flat buffers of {old.size} {old.dtype} elements, "
-                                 f"got {new.shape} {new.dtype}")
-        param_buffer[...] = self.param_buffer
-        grad_buffer[...] = self.grad_buffer
-        shapes = {name: p.shape for name, p in self.params.items()}
-        self.param_buffer, self.grad_buffer = param_buffer, grad_buffer
-        self.params.update(_views(param_buffer, shapes))
-        self.grads.update(_views(grad_buffer, shapes))
 
     def _layers(self):
         return [(self.params[f"fc{i}.weight"], self.params[f"fc{i}.bias"]) for i in range(1, len(self.sizes))]
@@ -271,21 +344,6 @@ class MLP(Model):
                 d *= h > 0
                 g = d
         return float(loss_sum) / n, self.grads, int(correct)
-
-
-def _views(flat, shapes):
-    """Views of ``flat`` shaped as ``shapes`` (name -> shape), laid out in REVERSE order.
-
-    Backward finishes the last layer first; laying the buffer out that way
-    makes each run of gradients that ``on_grad`` has delivered one slice.
-    Returned in the order of ``shapes``.
-    """
-    views, offset = {}, 0
-    for name in reversed(shapes):
-        size = int(np.prod(shapes[name]))
-        views[name] = flat[offset:offset + size].reshape(shapes[name])
-        offset += size
-    return {name: views[name] for name in shapes}
 
 
 def _size(what, value, minimum):
