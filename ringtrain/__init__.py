@@ -5,18 +5,18 @@ The public API; see README.md for the commands.
 
 __version__ = "0.1.0"
 
-from .collectives import allreduce, allreduce_, allreduce_many_, broadcast_
+from .comm.collectives import allreduce, allreduce_, allreduce_many_, broadcast_
 from .checkpoint import CheckpointError, load_checkpoint
-from .data import EpochPlan, shard_bounds
+from .sharding import EpochPlan, shard_bounds
 from .datasets import EvalTotals, Shard, load_sharded, reduce_eval, sum_eval
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
 from .models import Model, build_model, register_model
 from .optim import build_optimizer, learning_rate, scaled_lr
 from .topology import TaskSpec
-from .config import TrainConfig
-from .trainer import TrainResult, train
-from .zero import ShardedStep
+from .training.config import TrainConfig
+from .training.loop import TrainResult, train
+from .training.sharded import ShardedStep
 
 __all__ = [
     "__version__",

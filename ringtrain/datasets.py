@@ -3,7 +3,7 @@
 :func:`load_sharded` is the one entry point: every rank calls it, and every
 rank gets back a :class:`Shard` with its own training and evaluation rows
 plus the global counts. The index maths (which rows are whose, the per-epoch
-shuffles, equal steps per rank) is in :mod:`ringtrain.data`.
+shuffles, equal steps per rank) is in :mod:`ringtrain.sharding`.
 
 Datasets:
 
@@ -39,7 +39,7 @@ Datasets:
 Without test arrays, ``round(test_fraction * rows)`` rows chosen by a
 generator seeded from ``seed`` are held out (for ``synthetic``, the tail).
 The remaining rows, in file order, are the training rows, split into
-contiguous shards by :func:`ringtrain.data.shard_bounds`; evaluation rows
+contiguous shards by :func:`ringtrain.sharding.shard_bounds`; evaluation rows
 are split the same way, without padding.
 """
 
@@ -52,7 +52,7 @@ import zipfile
 
 import numpy as np
 
-from .data import check_batch_size, complement_positions, eval_batches, shard_bounds
+from .sharding import check_batch_size, complement_positions, eval_batches, shard_bounds
 from .errors import MismatchError, UsageError
 from .failure import agree
 
@@ -137,7 +137,7 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
         comm: communicator to shard over (default ``MPI.COMM_WORLD``).
         seed: data seed: picks the held-out rows and generates ``synthetic``.
             The per-epoch shuffles are seeded separately (see
-            :class:`ringtrain.data.EpochPlan`).
+            :class:`ringtrain.sharding.EpochPlan`).
         test_fraction: share of rows held out when there are no test arrays,
             in [0, 1).
         batch_size: if given, check that every rank can fill one batch.
@@ -523,7 +523,7 @@ def reduce_eval(model, shard, comm=None, *, xp=None, batch_size=4096):
     """Evaluate ``model`` on every rank's evaluation rows and sum the results.
 
     Collective: every rank of ``comm`` must call it at the same point. Each
-    rank evaluates its own rows in batches (:func:`ringtrain.data.eval_batches`,
+    rank evaluates its own rows in batches (:func:`ringtrain.sharding.eval_batches`,
     no padding, so nothing is counted twice), then one :func:`sum_eval`.
 
     Args:

@@ -20,7 +20,7 @@ Example (five calls, as in Horovod's examples)::
         opt.step()
 """
 
-from .collectives import allreduce_, allreduce_many_, broadcast_
+from .comm.collectives import allreduce_, allreduce_many_, broadcast_
 
 __all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays"]
 

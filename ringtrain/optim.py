@@ -46,7 +46,7 @@ class Optimizer:
     in ``order`` (default: the order of ``params``) and the per-name arrays
     are views into it. :meth:`step_slice` then updates any contiguous range
     of that layout, which is how a rank updates only its shard of the
-    parameters (:mod:`ringtrain.zero`). The update is elementwise, so a
+    parameters (:mod:`ringtrain.training.sharded`). The update is elementwise, so a
     range updated by :meth:`step_slice` is bitwise what :meth:`step` gives.
     """
 

@@ -24,9 +24,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ringtrain.collectives import allreduce_
+from ringtrain.comm.collectives import allreduce_
 from ringtrain.commands.bench import parse_bytes
-from ringtrain.hierarchical import Hierarchy
+from ringtrain.comm.hierarchical import Hierarchy
 from ringtrain.topology import TaskSpec
 
 CONTESTANTS = ("ring", "hierarchical", "mpi")

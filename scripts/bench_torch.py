@@ -19,7 +19,7 @@ per rank, one thread per rank (``torch.set_num_threads(1)``,
   of the CPU tensors (one flat buffer, :func:`ringtrain.interop.bucket_view_`).
 * ``ringtrain-numpy``: ringtrain's own NumPy MLP with the same sizes, stepped
   as ``ringtrain train`` steps it: the sharded optimizer step
-  (:class:`ringtrain.zero.ShardedStep`) at 2+ ranks.
+  (:class:`ringtrain.training.sharded.ShardedStep`) at 2+ ranks.
 
 Each contestant runs under ``mpirun -np N`` (interleaved over repeats so that
 background load hits all alike). In each process, blocks of 20 steps
@@ -77,7 +77,7 @@ def _steps(contestant, comm, data, plan):
         import numpy as np
 
         from ringtrain import ShardedStep, allreduce_, broadcast_, build_model, build_optimizer
-        from ringtrain.zero import flat_layout
+        from ringtrain.training.sharded import flat_layout
 
         model = build_model("mlp", SIZES[0], SIZES[-1], hidden=SIZES[1:-1], seed=0)
         opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0,
@@ -174,7 +174,7 @@ def _free_port():
 def worker(contestant, blocks):
     from mpi4py import MPI
 
-    from ringtrain.data import EpochPlan
+    from ringtrain.sharding import EpochPlan
     from ringtrain.datasets import load_sharded
 
     comm = MPI.COMM_WORLD

@@ -25,7 +25,7 @@ import time
 
 from mpi4py import MPI
 
-import ringtrain.trainer
+import ringtrain.training.loop
 from ringtrain import TrainConfig
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -74,21 +74,21 @@ def main(argv=None):
     # 100 steps per epoch at any rank count: 800 training rows per rank, batch 8.
     samples = 1000 * size
     every = max(1, args.steps // 40)
-    build = ringtrain.trainer.build_model
+    build = ringtrain.training.loop.build_model
     holder = []
 
     def build_sampled(*a, **kw):
         holder.append(Sampled(build(*a, **kw), every))
         return holder[-1]
 
-    ringtrain.trainer.build_model = build_sampled
+    ringtrain.training.loop.build_model = build_sampled
     run_dir = comm.bcast(tempfile.mkdtemp(prefix="ringtrain-soak-") if comm.Get_rank() == 0 else None)
     cfg = TrainConfig(dataset="synthetic", samples=samples, features=16, classes=4, hidden=(32,),
                       batch_size=8, epochs=-(-args.steps // 100), max_steps=args.steps, lr=0.01,
                       log_every=100, eval_every=1, keep=3, run_dir=run_dir, resume="none", progress=False)
     start = time.perf_counter()
     with ringtrain.abort_on_error(comm):
-        result = ringtrain.trainer.train(cfg, comm, stream=open(os.devnull, "w"))
+        result = ringtrain.training.loop.train(cfg, comm, stream=open(os.devnull, "w"))
     seconds = time.perf_counter() - start
     model = holder[0]
     model.samples.append((model.calls, resident_mib()))

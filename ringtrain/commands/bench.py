@@ -91,7 +91,7 @@ def run(args):
     import numpy as np
     from mpi4py import MPI
 
-    from ..collectives import RING_BYTES, SMALL_BYTES, allreduce_
+    from ..comm.collectives import RING_BYTES, SMALL_BYTES, allreduce_
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0", everywhere=True)
@@ -145,7 +145,7 @@ def _size(nbytes):
 
 def _print_header(size, copy, small, ring):
     print(f"# ringtrain bench allreduce: {size} rank(s), float32 sum, busbw = algbw * 2(N-1)/N")
-    from ..shm import SINGLE_BLOCK_BYTES
+    from ..comm.window import SINGLE_BLOCK_BYTES
 
     print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, then "
           f"shared memory up to {_size(SINGLE_BLOCK_BYTES)} on one host (else MPI Allreduce below {_size(ring)}), "

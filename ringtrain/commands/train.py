@@ -1,13 +1,13 @@
 """``ringtrain train``: data-parallel training; run it under ``mpirun -np N``.
 
-Every flag is a field of :class:`ringtrain.config.TrainConfig`; ``--config
+Every flag is a field of :class:`ringtrain.training.config.TrainConfig`; ``--config
 FILE`` (TOML or YAML) sets the same names, and flags override the file.
 """
 
 import argparse
 import dataclasses
 
-from ..config import FIELDS, TrainConfig, _type_name, load_config_file, parse_ints, resolve
+from ..training.config import FIELDS, TrainConfig, _type_name, load_config_file, parse_ints, resolve
 
 HELP = "train a model data-parallel (run under mpirun -np N)"
 
@@ -47,7 +47,7 @@ def config_from_args(args):
 
 
 def run(args):
-    from ..trainer import train
+    from ..training.loop import train
 
     cfg = config_from_args(args)
     train(cfg)

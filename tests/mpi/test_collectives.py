@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain import backend
-from ringtrain.collectives import SMALL_BYTES, allreduce, allreduce_, allreduce_many_, broadcast_
-from ringtrain.commstate import CommState
+from ringtrain.comm.collectives import SMALL_BYTES, allreduce, allreduce_, allreduce_many_, broadcast_
+from ringtrain.comm.state import CommState
 from ringtrain.errors import MismatchError, UsageError
 
 comm = MPI.COMM_WORLD
@@ -228,7 +228,7 @@ def test_shared_memory_in_blocks_matches_mpi(dtype):
     # Above SINGLE_BLOCK_BYTES the shared-memory path works in blocks that
     # alternate between two halves of each slot: a prime length past it
     # crosses several blocks and ends in a partial one.
-    from ringtrain.shm import SINGLE_BLOCK_BYTES
+    from ringtrain.comm.window import SINGLE_BLOCK_BYTES
 
     n = SINGLE_BLOCK_BYTES // np.dtype(dtype).itemsize + 100_003
     x = data(n, dtype, seed=7)

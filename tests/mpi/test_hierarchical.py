@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.collectives import SMALL_BYTES, allreduce_many_
+from ringtrain.comm.collectives import SMALL_BYTES, allreduce_many_
 from ringtrain.errors import MismatchError
-from ringtrain.hierarchical import Hierarchy, hierarchical_allreduce, hierarchical_allreduce_
+from ringtrain.comm.hierarchical import Hierarchy, hierarchical_allreduce, hierarchical_allreduce_
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.collectives import SMALL_BYTES, allreduce_many_
+from ringtrain.comm.collectives import SMALL_BYTES, allreduce_many_
 from ringtrain.errors import MismatchError, UsageError
 from ringtrain.models import build_model
-from ringtrain.overlap import Reducer
+from ringtrain.comm.reducer import Reducer
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

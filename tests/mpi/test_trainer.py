@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.config import TrainConfig
+from ringtrain.training.config import TrainConfig
 from ringtrain.models import build_model
-from ringtrain.trainer import params_digest, train
+from ringtrain.training.loop import params_digest, train
 
 QUIET = dict(progress=False, log_every=1000, eval_every=0)
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.collectives import allreduce_
+from ringtrain.comm.collectives import allreduce_
 from ringtrain.models import build_model
 from ringtrain.optim import build_optimizer
-from ringtrain.zero import ShardedStep, flat_layout
+from ringtrain.training.sharded import ShardedStep, flat_layout
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

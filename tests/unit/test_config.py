@@ -4,7 +4,7 @@ import pytest
 
 from ringtrain.cli import build_parser
 from ringtrain.commands.train import config_from_args
-from ringtrain.config import FIELDS, MUST_MATCH, TrainConfig, load_config_file, validate
+from ringtrain.training.config import FIELDS, MUST_MATCH, TrainConfig, load_config_file, validate
 from ringtrain.errors import UsageError
 
 

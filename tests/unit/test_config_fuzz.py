@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringtrain.config import FIELDS, load_config_file, resolve, validate
+from ringtrain.training.config import FIELDS, load_config_file, resolve, validate
 from ringtrain.errors import UsageError
 
 KEYS = st.one_of(st.sampled_from(sorted(FIELDS)), st.sampled_from([n.replace("_", "-") for n in FIELDS]),

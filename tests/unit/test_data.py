@@ -6,7 +6,7 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain import UsageError
-from ringtrain.data import (EpochPlan, check_batch_size, complement_positions, epoch_permutation, eval_batches,
+from ringtrain.sharding import (EpochPlan, check_batch_size, complement_positions, epoch_permutation, eval_batches,
                             shard_bounds, shard_sizes)
 from ringtrain.datasets import load_sharded, synthetic_rows
 

@@ -271,7 +271,7 @@ def test_bad_batches_are_rejected():
 
 
 def test_flat_layout_finds_the_mlp_buffers_in_backward_order():
-    from ringtrain.zero import flat_layout
+    from ringtrain.training.sharded import flat_layout
 
     model = build_model("mlp", 6, 3, hidden=(5, 4), seed=0)
     order = flat_layout(model)
@@ -284,7 +284,7 @@ def test_flat_layout_finds_the_mlp_buffers_in_backward_order():
 
 
 def test_flat_layout_is_none_without_matching_buffers():
-    from ringtrain.zero import flat_layout
+    from ringtrain.training.sharded import flat_layout
 
     model = build_model("mlp", 6, 3, hidden=(5,), seed=0)
 

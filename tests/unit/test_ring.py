@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from ringtrain.collectives import plan_buckets
+from ringtrain.comm.collectives import plan_buckets
 from ringtrain.commands.bench import message_sizes, parse_bytes
 from ringtrain.errors import UsageError
-from ringtrain.ring import chunk_bounds, doubling_schedule, ring_schedule, segments
+from ringtrain.comm.ring import chunk_bounds, doubling_schedule, ring_schedule, segments
 
 SIZES = range(1, 10)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from ringtrain.collectives import RING_BYTES
-from ringtrain.shm import SINGLE_BLOCK_BYTES
-from ringtrain.zero import transport_for
+from ringtrain.comm.collectives import RING_BYTES
+from ringtrain.comm.window import SINGLE_BLOCK_BYTES
+from ringtrain.training.sharded import transport_for
 
 SMALL, FITS, BIG = 64 << 10, SINGLE_BLOCK_BYTES - 4096, RING_BYTES + 1
 

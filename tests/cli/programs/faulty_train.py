@@ -34,7 +34,7 @@ import time
 from mpi4py import MPI
 
 import ringtrain.checkpoint
-import ringtrain.trainer
+import ringtrain.training.loop
 from ringtrain.cli import build_parser
 from ringtrain.commands.train import config_from_args
 from ringtrain.errors import UsageError
@@ -87,8 +87,8 @@ def install(fault, at):
 
         ringtrain.checkpoint._write_npz = failing_write
     elif fault != "none":
-        build = ringtrain.trainer.build_model
-        ringtrain.trainer.build_model = lambda *a, **kw: Faulty(build(*a, **kw), fault, at)
+        build = ringtrain.training.loop.build_model
+        ringtrain.training.loop.build_model = lambda *a, **kw: Faulty(build(*a, **kw), fault, at)
 
 
 def main(argv):
@@ -99,10 +99,10 @@ def main(argv):
             if comm.Get_rank() == rank:
                 install(fault, at)
             cfg = config_from_args(build_parser().parse_args(["train", *flags]))
-            result = ringtrain.trainer.train(cfg, comm)
+            result = ringtrain.training.loop.train(cfg, comm)
             # One write per line: print() writes the newline separately, and
             # ranks finishing together could interleave their lines.
-            sys.stdout.write(f"rank {comm.Get_rank()} digest {ringtrain.trainer.params_digest(result.params)}\n")
+            sys.stdout.write(f"rank {comm.Get_rank()} digest {ringtrain.training.loop.params_digest(result.params)}\n")
             sys.stdout.flush()
     except UsageError as exc:
         print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)

@@ -4,41 +4,41 @@ Every function here is collective: every rank of ``comm`` must call the same
 functions, with arrays of the same length and dtype and the same ``op``, in
 the same order. Calls that disagree neither hang nor corrupt: each call
 starts with a header exchange that every rank completes whatever the
-arguments (:mod:`ringtrain.header`), and if any rank passed something
+arguments (:mod:`ringtrain.comm.header`), and if any rank passed something
 different (or something it cannot use), every rank raises, naming both
 values.
 
 How a call runs (``algorithm="auto"``):
 
 * Small messages (at most :data:`SMALL_BYTES`) are latency-bound. They go by
-  recursive doubling (:func:`ringtrain.ring.doubling_schedule`) with the
+  recursive doubling (:func:`ringtrain.comm.ring.doubling_schedule`) with the
   header carried in the same message as the data: one round trip at 2 ranks,
   the same as MPI's own ``Allreduce``, and the check costs nothing extra.
   At 2 ranks a NumPy call is replayed from a prepared plan
-  (:class:`ringtrain.commstate.PairPlan`), so Python adds well under a
+  (:class:`ringtrain.comm.state.PairPlan`), so Python adds well under a
   microsecond.
   (MPI's ``Allreduce`` cannot carry it: with mismatched counts its behaviour
   is undefined, so checking first would need a second collective, which
   doubles the time of a 4 KiB call.)
 * Larger messages send the header alone (a few microseconds). Up to 4 MiB,
   when every rank shares one host, they then run the reduce-scatter and
-  allgather through a shared-memory window (:mod:`ringtrain.shm`: one copy
+  allgather through a shared-memory window (:mod:`ringtrain.comm.window`: one copy
   less per byte than any message-passing path, 2-2.5x MPI's ``Allreduce``
   for a 2.6 MiB gradient at 2 ranks); across hosts they call MPI's own
   ``Allreduce`` below :data:`RING_BYTES`. From 4 MiB up they run the
-  pipelined ring (:func:`ringtrain.ring.ring_allreduce`).
+  pipelined ring (:func:`ringtrain.comm.ring.ring_allreduce`).
 * ``algorithm="mpi"`` sends the header alone, then calls MPI's ``Allreduce``;
   ``algorithm="ring"`` forces the ring at every size;
   ``algorithm="shm"`` forces shared memory (every rank on one host);
   ``algorithm="hierarchical"`` reduces within each host, rings across hosts
-  and broadcasts within each host (:mod:`ringtrain.hierarchical`).
+  and broadcasts within each host (:mod:`ringtrain.comm.hierarchical`).
 
 Reductions run in a fixed order, so every rank gets bitwise the same result
 and a repeated call gives bitwise the same result.
 
 Buffers (staging for the header exchange, the ring's receive segments, the
 fusion buffer, pinned host copies of GPU arrays) belong to the communicator:
-they are cached on it with MPI attribute caching (:mod:`ringtrain.commstate`),
+they are cached on it with MPI attribute caching (:mod:`ringtrain.comm.state`),
 grow to the largest size seen and are reused, so steady-state calls allocate
 nothing.
 
@@ -52,13 +52,13 @@ import operator
 
 import numpy as np
 
-from . import backend
-from .commstate import SMALL_BYTES, pair_plan, state_of
-from .errors import UsageError
+from .. import backend
+from .state import SMALL_BYTES, pair_plan, state_of
+from ..errors import UsageError
 from .header import (ALGORITHM_CODE, ALGORITHMS, BROADCAST, COMBINE, DTYPE_CODE, DTYPES, OP_CODE, OPS,
                      SIGNATURE_MASK, check_local, raise_mismatch)
 from .ring import ring_allreduce
-from .shm import SINGLE_BLOCK_BYTES, shm_allreduce
+from .window import SINGLE_BLOCK_BYTES, shm_allreduce
 
 __all__ = [
     "allreduce",
@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 # SMALL_BYTES (recursive doubling, the data in the header's message) lives in
-# ringtrain.commstate, beside the exchange buffers it sizes.
+# ringtrain.comm.state, beside the exchange buffers it sizes.
 # Below this many bytes (and above SMALL_BYTES), "auto" hands the data to
 # MPI's own Allreduce after the header check; from here up, the ring. At 2
 # ranks here, the ring lost to MPI by 15-60% from 128 KiB to 2 MiB, tied at
@@ -267,7 +267,7 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
         comm: communicator (default ``MPI.COMM_WORLD``).
         algorithm: ``"auto"`` (by size), ``"ring"``, ``"mpi"`` (MPI's own
             ``Allreduce`` after the check) or ``"hierarchical"`` (within
-            hosts, then across them: :mod:`ringtrain.hierarchical`).
+            hosts, then across them: :mod:`ringtrain.comm.hierarchical`).
 
     Returns:
         ``x``, holding the result, bitwise the same on every rank.
@@ -418,7 +418,7 @@ def unpack(fused, arrays):
 def _reduce_bucket(state, who, flat, wire, op, algorithm, narrays, signature, problem):
     """Reduce one bucket's 1-D ``flat`` in place, through the float16 ``wire`` if given (collective).
 
-    allreduce_many_ and :class:`ringtrain.overlap.Reducer` both reduce every
+    allreduce_many_ and :class:`ringtrain.comm.reducer.Reducer` both reduce every
     bucket here, so they give bitwise the same results.
     """
     if wire is None:

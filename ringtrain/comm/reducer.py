@@ -1,7 +1,7 @@
 """Overlapping the gradient allreduce with backward: a bucketed, asynchronous reducer.
 
 Backward produces gradients last layer first. Instead of averaging them all
-after backward (one :func:`~ringtrain.collectives.allreduce_many_`), the
+after backward (one :func:`~ringtrain.comm.collectives.allreduce_many_`), the
 :class:`Reducer` starts a bucket's reduction as soon as its last gradient has
 been pushed, on a communication thread, while the main thread goes on with the
 rest of backward (NumPy's matmuls release the GIL, and so do mpi4py's MPI
@@ -18,10 +18,10 @@ Contract (every rank): the constructor, :meth:`Reducer.wait` and
 names in any order between two ``wait()`` calls. Buckets are planned once, at
 construction, from the arrays in the order given (give them in the order
 ``push`` will deliver them, so buckets fill and start early), with
-:func:`~ringtrain.collectives.plan_buckets`, and they are started strictly in
+:func:`~ringtrain.comm.collectives.plan_buckets`, and they are started strictly in
 that order, so every rank makes the same collective calls in the same order.
 Each bucket goes through the same header-checked path as ``allreduce_many_``
-(:func:`ringtrain.collectives._reduce_bucket`), so mismatched calls still raise
+(:func:`ringtrain.comm.collectives._reduce_bucket`), so mismatched calls still raise
 on every rank, and the results are bitwise those of ``allreduce_many_`` over
 the same list, ``bucket_bytes``, ``op``, ``algorithm`` and ``compression``.
 
@@ -38,11 +38,11 @@ import threading
 
 import numpy as np
 
-from . import backend
+from .. import backend
 from .collectives import _compressed, _list_checks, _reduce_bucket, pack, plan_buckets, unpack
-from .commstate import CommState
-from .errors import UsageError
-from .failure import agree
+from .state import CommState
+from ..errors import UsageError
+from ..failure import agree
 
 __all__ = ["Reducer"]
 
@@ -72,16 +72,16 @@ class Reducer:
             contiguous views of one NumPy buffer (such as a model's
             ``grad_buffer``) are reduced in place, without copies.
         bucket_bytes: largest bucket (default
-            :data:`~ringtrain.collectives.DEFAULT_BUCKET_BYTES`).
+            :data:`~ringtrain.comm.collectives.DEFAULT_BUCKET_BYTES`).
         op: ``"sum"``, ``"mean"``, ``"min"`` or ``"max"``.
         compression: ``None`` or ``"fp16"`` (see
-            :func:`~ringtrain.collectives.allreduce_many_`).
+            :func:`~ringtrain.comm.collectives.allreduce_many_`).
         algorithm: ``"auto"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
         threaded: reduce on a communication thread (default: when MPI
             provides ``MPI_THREAD_MULTIPLE`` and there is more than one rank).
         trace: optional ``trace(k)`` returning a context manager around the
             reduction of bucket ``k`` (on the thread that reduces it), e.g. a
-            :class:`~ringtrain.timeline.Timeline` span.
+            :class:`~ringtrain.training.timeline.Timeline` span.
 
     Raises:
         UsageError: on every rank, for arguments any rank cannot use.

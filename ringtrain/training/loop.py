@@ -4,7 +4,7 @@ Synchronisation points: :func:`train` is collective. Every rank of ``comm``
 must call it with the same configuration. Each step makes, in this order on
 every rank, either
 
-* with ``shard_optimizer`` (where :class:`ringtrain.zero.ShardedStep`
+* with ``shard_optimizer`` (where :class:`ringtrain.training.sharded.ShardedStep`
   applies): the gradient reduce-scatter, one small sum of the step's metrics
   and non-finite flags, and the parameter allgather after each rank has
   updated its shard; or
@@ -27,22 +27,22 @@ import time
 
 import numpy as np
 
-from . import backend
-from .checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
-from .collectives import allreduce_many_, broadcast_, plan_buckets
+from .. import backend
+from ..checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
+from ..comm.collectives import allreduce_many_, broadcast_, plan_buckets
 from .config import MUST_MATCH, to_json, validate
-from .data import EpochPlan
-from .datasets import load_sharded, reduce_eval
-from .errors import MismatchError, UsageError
-from .failure import agree
-from .models import build_model
-from .optim import build_optimizer, learning_rate, scaled_lr
-from .overlap import Reducer
+from ..sharding import EpochPlan
+from ..datasets import load_sharded, reduce_eval
+from ..errors import MismatchError, UsageError
+from ..failure import agree
+from ..models import build_model
+from ..optim import build_optimizer, learning_rate, scaled_lr
+from ..comm.reducer import Reducer
 from .runlog import RunLog, default_run_dir
 from .timeline import Timeline
-from .topology import TaskSpec
-from .watchdog import Watchdog, left_neighbour
-from .zero import ShardedStep, flat_layout
+from ..topology import TaskSpec
+from ..watchdog import Watchdog, left_neighbour
+from .sharded import ShardedStep, flat_layout
 
 __all__ = ["train", "TrainResult", "params_digest"]
 
@@ -173,7 +173,7 @@ def train(cfg, comm=None, *, model=None, stream=None):
     """Train data-parallel on every rank of ``comm``; collective.
 
     Args:
-        cfg: a :class:`ringtrain.config.TrainConfig` (validated here).
+        cfg: a :class:`ringtrain.training.config.TrainConfig` (validated here).
         comm: the communicator (default ``MPI.COMM_WORLD``).
         model: your own model object (``params``, ``loss_and_grad``,
             ``evaluate``); default builds ``cfg.model``.
@@ -529,7 +529,7 @@ def _grad_slices(model, bucket_bytes):
     bucket at a time in place: ``allreduce_many_`` on the separate gradients
     would copy them into a fusion buffer and back, which costs about as much
     as the ring itself. The buckets are those the overlapping
-    :class:`~ringtrain.overlap.Reducer` plans, so --no-overlap reduces the
+    :class:`~ringtrain.comm.reducer.Reducer` plans, so --no-overlap reduces the
     same elements in the same calls and gives bitwise the same result.
     """
     buffer, grads = getattr(model, "grad_buffer", None), getattr(model, "grads", None)

@@ -122,7 +122,7 @@ def shm_allreduce(arena, x, combine):
     """Reduce the 1-D contiguous NumPy array ``x`` across the arena's ranks, in place.
 
     Collective over the arena's communicator, with the same length, dtype and
-    ``combine`` on every rank (:mod:`ringtrain.collectives` checks that
+    ``combine`` on every rank (:mod:`ringtrain.comm.collectives` checks that
     first). Every chunk is reduced once, by its owner, in a fixed order, so
     every rank ends with bitwise the same result and a repeated call repeats it.
     """

@@ -17,7 +17,7 @@ The index maths (:func:`chunk_bounds`, :func:`ring_schedule`,
 :func:`ring_allreduce` is the only function here that talks to MPI.
 """
 
-from .backend import synchronize
+from ..backend import synchronize
 
 __all__ = [
     "chunk_bounds",
@@ -114,7 +114,7 @@ def ring_allreduce(comm, buf, combine, stages, segment):
     """Reduce the 1-D contiguous ``buf`` across ``comm`` in place, with the ring.
 
     Collective: every rank of ``comm`` must call it with the same length, dtype
-    and ``combine``, in the same order (:mod:`ringtrain.collectives` checks
+    and ``combine``, in the same order (:mod:`ringtrain.comm.collectives` checks
     that first; this function trusts it).
 
     The reduce-scatter is pipelined: each step's chunk travels as segments of

@@ -30,10 +30,10 @@ Over MPI's own collectives it is equal to rounding: MPI picks the order.
 
 Three transports carry the phases (:func:`transport_for` picks one). Ranks
 on one host use their own MPI shared-memory window
-(:class:`ringtrain.shm.SharedArena`): each rank reads its peers' buffers
+(:class:`ringtrain.comm.window.SharedArena`): each rank reads its peers' buffers
 directly, each phase is one barrier, and the small sum rides in a header at
 the end of each slot. Otherwise the ring's two phases
-(:func:`ringtrain.ring.ring_reduce_scatter`, :func:`~ringtrain.ring.ring_allgather`),
+(:func:`ringtrain.comm.ring.ring_reduce_scatter`, :func:`~ringtrain.comm.ring.ring_allgather`),
 or for small gradients MPI's own ``Reduce_scatter`` and ``Allgatherv``, run
 on a duplicate communicator, and the small sum is one ``Allreduce``.
 
@@ -46,9 +46,9 @@ trains, the time is what matters.
 
 import numpy as np
 
-from .collectives import RING_BYTES, SEGMENT_BYTES
-from .ring import chunk_bounds, ring_allgather, ring_reduce_scatter
-from .shm import SINGLE_BLOCK_BYTES, SharedArena
+from ..comm.collectives import RING_BYTES, SEGMENT_BYTES
+from ..comm.ring import chunk_bounds, ring_allgather, ring_reduce_scatter
+from ..comm.window import SINGLE_BLOCK_BYTES, SharedArena
 
 __all__ = ["ShardedStep", "flat_layout", "transport_for", "SMALL_VALUES", "ALGORITHMS"]
 
@@ -64,9 +64,9 @@ def _address(a):
 def transport_for(algorithm, nbytes, one_host):
     """The transport for a flat gradient of ``nbytes``: "shm", "ring", "mpi", or None (do not shard).
 
-    As the allreduce chooses (:mod:`ringtrain.collectives`): "auto" takes
+    As the allreduce chooses (:mod:`ringtrain.comm.collectives`): "auto" takes
     shared memory on one host while the gradient fits one slot, otherwise
-    the ring from :data:`~ringtrain.collectives.RING_BYTES` up and MPI's own
+    the ring from :data:`~ringtrain.comm.collectives.RING_BYTES` up and MPI's own
     ``Reduce_scatter``/``Allgatherv`` below (latency-bound sizes, where MPI's
     algorithms beat a ring of 2(N-1) steps). "ring", "mpi" and "shm" force
     theirs; "shm" where it cannot apply, and "hierarchical", give None.

@@ -1,7 +1,7 @@
 """Hierarchical allreduce: reduce within each host, ring across hosts, broadcast within each host.
 
 On a cluster the links between hosts are much slower than memory within a
-host. The flat ring (:mod:`ringtrain.ring`) sends ``2 (N - 1) / N`` of the
+host. The flat ring (:mod:`ringtrain.comm.ring`) sends ``2 (N - 1) / N`` of the
 vector over every link, the slow ones included, and takes ``2 (N - 1)``
 latency-bound steps. The hierarchical variant moves data between hosts only
 among one leader rank per host:
@@ -133,10 +133,10 @@ def hierarchical_reduce(comm, buf, combine, stages, segment):
     """Reduce the 1-D contiguous ``buf`` across ``comm`` in place, host by host.
 
     The engine behind ``algorithm="hierarchical"`` in
-    :mod:`ringtrain.collectives`, with the signature of
-    :func:`ringtrain.ring.ring_allreduce`. Collective: every rank of ``comm``
+    :mod:`ringtrain.comm.collectives`, with the signature of
+    :func:`ringtrain.comm.ring.ring_allreduce`. Collective: every rank of ``comm``
     must call it with the same length, dtype and ``combine``, in the same
-    order (the callers in :mod:`ringtrain.collectives` check that first).
+    order (the callers in :mod:`ringtrain.comm.collectives` check that first).
 
     Args:
         comm: the communicator; its :class:`Hierarchy` is made on first use.
@@ -176,7 +176,7 @@ def hierarchical_reduce(comm, buf, combine, stages, segment):
 def hierarchical_allreduce_(x, op="mean", comm=None):
     """Reduce ``x`` across ``comm`` in place, hierarchically.
 
-    Collective, with the contract of :func:`ringtrain.collectives.allreduce_`
+    Collective, with the contract of :func:`ringtrain.comm.collectives.allreduce_`
     (argument checks on every rank, mismatches raise on every rank); the same
     as ``allreduce_(x, op, comm, algorithm="hierarchical")``.
 
@@ -198,7 +198,7 @@ def hierarchical_allreduce(x, op="mean", comm=None):
 def hierarchical_allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None):
     """Reduce a list (or dict) of arrays in place, fused, hierarchically.
 
-    Collective, with the contract of :func:`ringtrain.collectives.allreduce_many_`.
+    Collective, with the contract of :func:`ringtrain.comm.collectives.allreduce_many_`.
     """
     from .collectives import allreduce_many_
 

@@ -3,8 +3,8 @@
 A :class:`CommState` is cached on each communicator with MPI attribute
 caching (:func:`state_of`): the recursive-doubling schedule, the send and
 receive buffers of the header exchange (:meth:`CommState.exchange`, the
-protocol in :mod:`ringtrain.header`), the shared-memory arena of
-:mod:`ringtrain.shm`, and reused staging buffers (the ring's receive
+protocol in :mod:`ringtrain.comm.header`), the shared-memory arena of
+:mod:`ringtrain.comm.window`, and reused staging buffers (the ring's receive
 segments, the fusion buffer, pinned host copies of GPU arrays). They grow to
 the largest size seen and are reused, so steady-state calls allocate nothing.
 
@@ -81,13 +81,13 @@ class CommState:
         return state
 
     def arena(self):
-        """The :class:`ringtrain.shm.SharedArena` of this communicator, or None across hosts.
+        """The :class:`ringtrain.comm.window.SharedArena` of this communicator, or None across hosts.
 
         Collective on first use: the first large call makes it, and every rank
         reaches that call at the same point, with the same size and algorithm.
         """
         if self._arena is _UNSET:
-            from .shm import SharedArena
+            from .window import SharedArena
 
             self._arena = SharedArena.create(self.comm)
         return self._arena

@@ -1,7 +1,7 @@
 """The header every collective call starts with, and what a mismatch says.
 
-Every collective in :mod:`ringtrain.collectives` (and the
-:class:`ringtrain.overlap.Reducer`'s buckets) begins with a header exchange
+Every collective in :mod:`ringtrain.comm.collectives` (and the
+:class:`ringtrain.comm.reducer.Reducer`'s buckets) begins with a header exchange
 that every rank completes whatever its arguments. The header is
 ``NFIELDS`` ints, one per entry of :data:`FIELDS`: a problem code (nonzero
 when this rank found its own arguments unusable, from :data:`PROBLEMS`), the
@@ -21,14 +21,14 @@ A small call carries its data in the same message, after the header, so the
 check costs no extra round trip; a larger call sends the header alone first.
 
 This module is pure: the tables and messages, no MPI. The exchange itself is
-:meth:`ringtrain.commstate.CommState.exchange`.
+:meth:`ringtrain.comm.state.CommState.exchange`.
 """
 
 import struct
 
 import numpy as np
 
-from .errors import MismatchError, UsageError
+from ..errors import MismatchError, UsageError
 
 __all__ = [
     "OPS",

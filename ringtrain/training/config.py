@@ -12,7 +12,7 @@ import json
 import math
 import os
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "fingerprint"]
 
