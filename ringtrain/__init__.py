@@ -5,18 +5,16 @@ The public API; see README.md for the commands.
 
 __version__ = "0.1.0"
 
-from .comm.collectives import allreduce, allreduce_, allreduce_many_, broadcast_
+from .comm import allreduce, allreduce_, allreduce_many_, broadcast_
 from .checkpoint import CheckpointError, load_checkpoint
 from .sharding import EpochPlan, shard_bounds
-from .datasets import EvalTotals, Shard, load_sharded, reduce_eval, sum_eval
+from .datasets import Shard, load_sharded
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
-from .models import Model, build_model, register_model
+from .models import FlatModel, Model, build_model, flat_layout, register_model
 from .optim import build_optimizer, learning_rate, scaled_lr
 from .topology import TaskSpec
-from .training.config import TrainConfig
-from .training.loop import TrainResult, train
-from .training.sharded import ShardedStep
+from .training import EvalTotals, ShardedStep, TrainConfig, TrainResult, reduce_eval, sum_eval, train
 
 __all__ = [
     "__version__",
@@ -39,6 +37,8 @@ __all__ = [
     "reduce_eval",
     "sum_eval",
     "Model",
+    "FlatModel",
+    "flat_layout",
     "build_model",
     "register_model",
     "build_optimizer",

@@ -1,5 +1,5 @@
 """``python -m ringtrain`` is the ``ringtrain`` command."""
 
-from .cli import _console
+from .cli import console
 
-_console()
+console()

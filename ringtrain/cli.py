@@ -78,9 +78,10 @@ def main(argv=None):
         return 2
 
 
-def _console():
+def console():
+    """The ``ringtrain`` console script: exit with :func:`main`'s status."""
     sys.exit(main())
 
 
 if __name__ == "__main__":
-    _console()
+    console()

@@ -57,27 +57,29 @@ class FlatLayout:
         return [(self.bounds[g[0]][0], self.bounds[g[-1]][1]) for g in groups]
 
 
-def contiguous_span(arrays):
+def contiguous_span(arrays, within=None):
     """A 1-D view over NumPy ``arrays`` when they tile one allocation back to back, else None.
 
     The arrays must be C-contiguous, of one dtype, each starting where the
-    previous one ends, all inside the writeable base buffer of the first.
-    Being adjacent is not enough: two separate allocations can sit side by
-    side, so the whole span must lie inside one base array.
+    previous one ends, all inside one writeable base array: ``within`` if
+    given (a 1-D array over the whole allocation, e.g. a torch storage),
+    else the base of the first array. Being adjacent is not enough: two
+    separate allocations can sit side by side, so the whole span must lie
+    inside that one base.
     """
-    if not arrays:
+    if not arrays or any(type(a) is not np.ndarray for a in arrays):
         return None
     first = arrays[0]
-    if type(first) is not np.ndarray:
-        return None
-    base = first
-    while isinstance(base.base, np.ndarray):
-        base = base.base
+    base = within
+    if base is None:
+        base = first
+        while isinstance(base.base, np.ndarray):
+            base = base.base
     if not (base.flags.c_contiguous and base.flags.writeable):
         return None
     start = end = address(first)
     for a in arrays:
-        if type(a) is not np.ndarray or not a.flags.c_contiguous or a.dtype != first.dtype or address(a) != end:
+        if not a.flags.c_contiguous or a.dtype != first.dtype or address(a) != end:
             return None
         end += a.nbytes
     lo, hi = start - address(base), end - address(base)

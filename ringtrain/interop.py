@@ -20,7 +20,8 @@ Example (five calls, as in Horovod's examples)::
         opt.step()
 """
 
-from .comm.collectives import allreduce_, allreduce_many_, broadcast_
+from .comm import allreduce_, allreduce_many_, broadcast_
+from .flat import contiguous_span
 
 __all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays"]
 
@@ -63,17 +64,14 @@ def bucket_view_(module):
 
 def _one_buffer(tensors):
     """A flat NumPy view of the memory the tensors tile back to back, in order, or None."""
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    address = first.data_ptr()
-    for t in tensors:
-        if (t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != address):
-            return None
-        address += t.numel() * t.element_size()
-    total = sum(t.numel() for t in tensors)
-    # One 1-D view over the same storage (as_strided is checked against the storage's size).
-    return first.detach().as_strided((total,), (1,), first.storage_offset()).numpy()
+    import torch
+
+    storage = tensors[0].untyped_storage()
+    if any(t.device.type != "cpu" or t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+        return None
+    # The whole storage as one NumPy array: the span must lie inside it.
+    whole = torch.empty(0, dtype=tensors[0].dtype).set_(storage).numpy()
+    return contiguous_span([t.detach().numpy() for t in tensors], within=whole)
 
 
 def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):

@@ -6,6 +6,7 @@ the launcher already knows all of it, so :meth:`TaskSpec.from_mpi` asks the
 communicator instead.
 """
 
+import contextlib
 import dataclasses
 import socket
 
@@ -135,11 +136,11 @@ class TaskSpec:
             device=(local_rank % count) if count else None,
         )
 
-    def limit_threads(self, environ=None):
-        """Cap BLAS threads at this rank's share of the host's cores; returns the cap.
+    def thread_cap(self, environ=None):
+        """This rank's share of the host's cores, as a BLAS thread count; None if the user chose one.
 
-        Does nothing (and returns None) when the user has set one of
-        :data:`THREAD_VARIABLES`: an explicit choice wins.
+        None when the user has set one of :data:`THREAD_VARIABLES`: an
+        explicit choice wins.
         """
         import os
 
@@ -147,16 +148,21 @@ class TaskSpec:
         if any(var in environ for var in THREAD_VARIABLES):
             return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = threads_per_rank(cores, self.local_size)
+        return threads_per_rank(cores, self.local_size)
+
+    @contextlib.contextmanager
+    def limited_threads(self, environ=None):
+        """Cap BLAS threads at :meth:`thread_cap` while the block runs, and restore them after.
+
+        Yields the cap (None when the user set one of :data:`THREAD_VARIABLES`
+        and nothing was changed). Ranks sharing a host would otherwise each
+        start a BLAS thread per core and fight over the cores.
+        """
+        threads = self.thread_cap(environ)
+        if threads is None:
+            yield None
+            return
         from threadpoolctl import threadpool_limits
 
-        threadpool_limits(threads)
-        return threads
-
-    def describe(self):
-        """A one-line summary of this rank, for logs."""
-        gpu = "cpu" if self.device is None else f"gpu {self.device}"
-        return (
-            f"rank {self.rank}/{self.size} on {self.hostname} "
-            f"(node {self.node_rank}/{self.num_nodes}, local {self.local_rank}/{self.local_size}, {gpu})"
-        )
+        with threadpool_limits(threads):
+            yield threads

@@ -24,7 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ringtrain.comm.collectives import allreduce_
+from ringtrain.comm import allreduce_
 from ringtrain.commands.bench import parse_bytes
 from ringtrain.comm.hierarchical import Hierarchy
 from ringtrain.topology import TaskSpec

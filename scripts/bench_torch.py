@@ -77,11 +77,11 @@ def _steps(contestant, comm, data, plan):
         import numpy as np
 
         from ringtrain import ShardedStep, allreduce_, broadcast_, build_model, build_optimizer
-        from ringtrain.training.sharded import flat_layout
+        from ringtrain.models import flat_layout
 
         model = build_model("mlp", SIZES[0], SIZES[-1], hidden=SIZES[1:-1], seed=0)
         opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0,
-                              order=flat_layout(model))
+                              order=flat_layout(model).order)
         broadcast_(model.param_buffer, comm=comm)  # the parameters are views into it
         # As the trainer: the sharded step on several ranks, the plain step on one.
         sharded = ShardedStep.create(model, opt, comm) if comm.Get_size() > 1 else None

@@ -36,24 +36,22 @@ def resident_mib():
         return int(fh.read().split()[1]) * PAGE / 2**20
 
 
-class Sampled:
-    """A model that records resident memory every ``every`` steps."""
+def sampled(model, every, samples):
+    """Make ``model`` record resident memory every ``every`` steps into ``samples``.
 
-    def __init__(self, inner, every):
-        self.inner, self.every, self.calls, self.samples = inner, every, 0, []
-        self.params = inner.params
+    Its ``loss_and_grad`` is wrapped on the instance, so the model keeps its
+    type (a FlatModel keeps the fast paths the trainer would take without it).
+    """
+    inner, calls = model.loss_and_grad, [0]
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def loss_and_grad(x, y, on_grad=None):
+        if calls[0] % every == 0:
+            samples.append((calls[0], resident_mib()))
+        calls[0] += 1
+        return inner(x, y, on_grad=on_grad)
 
-    def evaluate(self, x, y, *args, **kwargs):
-        return self.inner.evaluate(x, y, *args, **kwargs)
-
-    def loss_and_grad(self, x, y, on_grad=None):
-        if self.calls % self.every == 0:
-            self.samples.append((self.calls, resident_mib()))
-        self.calls += 1
-        return self.inner.loss_and_grad(x, y, on_grad=on_grad)
+    model.loss_and_grad = loss_and_grad
+    return model
 
 
 def main(argv=None):
@@ -75,13 +73,8 @@ def main(argv=None):
     samples = 1000 * size
     every = max(1, args.steps // 40)
     build = ringtrain.training.loop.build_model
-    holder = []
-
-    def build_sampled(*a, **kw):
-        holder.append(Sampled(build(*a, **kw), every))
-        return holder[-1]
-
-    ringtrain.training.loop.build_model = build_sampled
+    samples_taken = []
+    ringtrain.training.loop.build_model = lambda *a, **kw: sampled(build(*a, **kw), every, samples_taken)
     run_dir = comm.bcast(tempfile.mkdtemp(prefix="ringtrain-soak-") if comm.Get_rank() == 0 else None)
     cfg = TrainConfig(dataset="synthetic", samples=samples, features=16, classes=4, hidden=(32,),
                       batch_size=8, epochs=-(-args.steps // 100), max_steps=args.steps, lr=0.01,
@@ -90,13 +83,12 @@ def main(argv=None):
     with ringtrain.abort_on_error(comm):
         result = ringtrain.training.loop.train(cfg, comm, stream=open(os.devnull, "w"))
     seconds = time.perf_counter() - start
-    model = holder[0]
-    model.samples.append((model.calls, resident_mib()))
-    counted = [(s, m) for s, m in model.samples if s >= args.warmup]
+    samples_taken.append((result.step, resident_mib()))
+    counted = [(s, m) for s, m in samples_taken if s >= args.warmup]
     mine = {"rank": comm.Get_rank(), "start_mib": counted[0][1], "end_mib": counted[-1][1],
             "first_step": counted[0][0], "last_step": counted[-1][0],
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "curve": model.samples}
+            "curve": samples_taken}
     everyone = comm.gather(mine, root=0)
     if comm.Get_rank() != 0:
         return 0

@@ -22,5 +22,7 @@ SIZES = [1, 2, 3, 4]
 def test_under_mpirun(path, size):
     result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
                            "-x", path], timeout=300)
-    # pytest exits 5 when a file's tests all need more ranks than this size.
-    assert result.returncode in (0, 5), show(result)
+    # Exit 5 ("no tests collected") fails too: every file has tests at every
+    # size (pytest-mpi skips, rather than drops, those that need more ranks),
+    # so a file that stops collecting has lost its tests.
+    assert result.returncode == 0, show(result)

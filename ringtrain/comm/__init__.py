@@ -1,0 +1,30 @@
+"""The communication layer: averaging arrays across ranks, by transports behind one interface.
+
+How the pieces fit:
+
+* :mod:`~ringtrain.comm.collectives` and :mod:`~ringtrain.comm.buckets`: the
+  public collectives (``allreduce``, ``allreduce_``, ``allreduce_many_``,
+  ``broadcast_``). Every call starts with a header exchange
+  (:mod:`~ringtrain.comm.header`), so ranks that disagree raise instead of
+  hanging; small calls carry their data in it (:mod:`~ringtrain.comm.pair`
+  replays them at 2 ranks).
+* :mod:`~ringtrain.comm.policy`: which transport serves a buffer, every
+  threshold in one place.
+* :mod:`~ringtrain.comm.base` and :mod:`~ringtrain.comm.transports`: the
+  transport interface (reduce-scatter, allgather, allreduce) and its
+  registry; one module per transport: :mod:`~ringtrain.comm.window` (shared
+  memory on one host), :mod:`~ringtrain.comm.ring` (the pipelined ring),
+  :mod:`~ringtrain.comm.mpi` (MPI's own collectives),
+  :mod:`~ringtrain.comm.hierarchical` (within hosts, then across).
+* :mod:`~ringtrain.comm.reducer`: buckets reduced on a thread while backward
+  runs; :mod:`~ringtrain.comm.state`: what is cached on each communicator;
+  :mod:`~ringtrain.comm.schedule`: the pure index maths.
+"""
+
+from .buckets import allreduce_many_, plan_buckets
+from .collectives import allreduce, allreduce_, broadcast_
+from .reducer import Reducer
+from .transports import TRANSPORTS, create_transport
+
+__all__ = ["allreduce", "allreduce_", "allreduce_many_", "broadcast_", "plan_buckets", "Reducer", "TRANSPORTS",
+           "create_transport"]

@@ -4,7 +4,7 @@ Every collective in :mod:`ringtrain.comm.collectives` (and the
 :class:`ringtrain.comm.reducer.Reducer`'s buckets) begins with a header exchange
 that every rank completes whatever its arguments. The header is
 ``NFIELDS`` ints, one per entry of :data:`FIELDS`: a problem code (nonzero
-when this rank found its own arguments unusable, from :data:`PROBLEMS`), the
+when this rank found its own arguments unusable, a :class:`Problem`), the
 number of arrays, the dtype, length, op and algorithm codes, the broadcast
 root, and a signature (a hash of every shape and dtype of a list reduction,
 and its compression).
@@ -24,11 +24,13 @@ This module is pure: the tables and messages, no MPI. The exchange itself is
 :meth:`ringtrain.comm.state.CommState.exchange`.
 """
 
+import enum
 import struct
 
 import numpy as np
 
 from ..errors import MismatchError, UsageError
+from .policy import ALGORITHMS
 
 __all__ = [
     "OPS",
@@ -45,13 +47,12 @@ __all__ = [
     "HEADER_BYTES",
     "TAG",
     "SIGNATURE_MASK",
-    "PROBLEMS",
+    "Problem",
     "raise_mismatch",
     "check_local",
 ]
 
 OPS = ("sum", "mean", "min", "max")
-ALGORITHMS = ("auto", "ring", "mpi", "hierarchical", "shm")
 
 DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
@@ -68,16 +69,40 @@ HEADER_BYTES = HEADER.size
 TAG = 10  # the message tag of every header exchange
 SIGNATURE_MASK = (1 << 62) - 1
 
-# Problems a rank can find in its own arguments; sent in the header so that
-# every rank raises, not just the one that found it.
-PROBLEMS = {
-    1: "unsupported dtype",
-    2: "unknown op",
-    3: "unknown algorithm",
-    4: "the array is read-only",
-    5: "op 'mean' needs a floating-point dtype",
-    6: "root is outside the communicator",
-    7: "unknown compression",
+
+class Problem(enum.IntEnum):
+    """What a rank can find wrong with its own arguments; sent in the header's first field.
+
+    Every rank then raises, not just the one that found it; the ranks that
+    found nothing name the problem from the code alone (:attr:`summary`).
+    """
+
+    NONE = 0
+    DTYPE = 1
+    OP = 2
+    ALGORITHM = 3
+    READ_ONLY = 4
+    MEAN_NEEDS_FLOAT = 5
+    ROOT = 6
+    COMPRESSION = 7
+    BUCKET_SIZE = 8
+
+    @property
+    def summary(self):
+        """The problem in a few words, for the ranks that did not see it."""
+        return _SUMMARIES[self]
+
+
+_SUMMARIES = {
+    Problem.NONE: "no problem",
+    Problem.DTYPE: "unsupported dtype",
+    Problem.OP: "unknown op",
+    Problem.ALGORITHM: "unknown algorithm",
+    Problem.READ_ONLY: "the array is read-only",
+    Problem.MEAN_NEEDS_FLOAT: "op 'mean' needs a floating-point dtype",
+    Problem.ROOT: "root is outside the communicator",
+    Problem.COMPRESSION: "unknown compression",
+    Problem.BUCKET_SIZE: "bucket size must be at least 1 byte",
 }
 
 
@@ -113,8 +138,11 @@ def raise_mismatch(who, header, verdict, local_problem):
     if highest[0] > 0:  # some rank found a problem with its own arguments
         if local_problem:
             raise UsageError(f"{who}: {local_problem}", everywhere=True)
-        raise UsageError(f"{who}: another rank could not take part: {PROBLEMS.get(highest[0], 'error')}",
-                         everywhere=True)
+        try:
+            summary = Problem(highest[0]).summary
+        except ValueError:  # a peer running another ringtrain version
+            summary = f"problem code {highest[0]}"
+        raise UsageError(f"{who}: another rank could not take part: {summary}", everywhere=True)
     for i, field in enumerate(FIELDS):
         if lowest[i] != highest[i]:
             if field == "signature":
@@ -129,16 +157,15 @@ def raise_mismatch(who, header, verdict, local_problem):
 
 
 def check_local(flat, op, algorithm):
-    """(problem code, message) for this rank's own arguments; (0, None) when fine."""
+    """``(Problem, message)`` for this rank's own arguments; ``(Problem.NONE, None)`` when fine."""
     dtype = flat.dtype
     if dtype not in DTYPE_CODE:
         names = ", ".join(str(d) for d in DTYPES)
-        return 1, f"unsupported dtype {dtype}; use one of {names}"
+        return Problem.DTYPE, f"unsupported dtype {dtype}; use one of {names}"
     if op not in OP_CODE:
-        return 2, f"unknown op {op!r}; choose one of {', '.join(OPS)}"
+        return Problem.OP, f"unknown op {op!r}; choose one of {', '.join(OPS)}"
     if algorithm not in ALGORITHM_CODE:
-        return 3, f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+        return Problem.ALGORITHM, f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
     if op == "mean" and dtype.kind != "f":
-        return 5, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"
-    return 0, None
-
+        return Problem.MEAN_NEEDS_FLOAT, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"
+    return Problem.NONE, None

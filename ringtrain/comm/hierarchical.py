@@ -28,15 +28,39 @@ MPI attribute caching (:meth:`Hierarchy.of`), made on first use by a
 collective call, and freed when the communicator is freed.
 """
 
+import numpy as np
+
+from ..backend import get_array_module
+from .base import Transport
+from .policy import SEGMENT_BYTES
 from .ring import ring_allreduce, ring_reduce_scatter
 
-__all__ = [
-    "Hierarchy",
-    "hierarchical_allreduce",
-    "hierarchical_allreduce_",
-    "hierarchical_allreduce_many_",
-    "hierarchical_reduce",
-]
+__all__ = ["Hierarchy", "HierarchicalTransport", "hierarchical_reduce"]
+
+
+class HierarchicalTransport(Transport):
+    """The hierarchical allreduce behind the transport interface (``algorithm="hierarchical"``).
+
+    It reduces onto one leader per host and rings among the leaders, so it
+    has no reduce-scatter that leaves each rank a chunk: ``two_phase`` is
+    False, and the sharded step keeps the allreduce under it.
+    """
+
+    name = "hierarchical"
+    two_phase = False
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self._stages = {}
+
+    def allreduce(self, x, combine=np.add):
+        xp = get_array_module(x)
+        key = (np.dtype(x.dtype), xp.__name__)
+        if key not in self._stages:
+            segment = max(1, SEGMENT_BYTES // x.itemsize)
+            self._stages[key] = (xp.empty(segment, x.dtype), xp.empty(segment, x.dtype))
+        stages = self._stages[key]
+        return hierarchical_reduce(self.comm, x, getattr(xp, combine.__name__), stages, stages[0].size)
 
 
 class Hierarchy:
@@ -171,35 +195,3 @@ def hierarchical_reduce(comm, buf, combine, stages, segment):
     if intra.Get_size() > 1:
         intra.Bcast([buf, byte], root=0)
     return buf
-
-
-def hierarchical_allreduce_(x, op="mean", comm=None):
-    """Reduce ``x`` across ``comm`` in place, hierarchically.
-
-    Collective, with the contract of :func:`ringtrain.comm.collectives.allreduce_`
-    (argument checks on every rank, mismatches raise on every rank); the same
-    as ``allreduce_(x, op, comm, algorithm="hierarchical")``.
-
-    Returns:
-        ``x``, bitwise the same on every rank.
-    """
-    from .collectives import allreduce_
-
-    return allreduce_(x, op=op, comm=comm, algorithm="hierarchical")
-
-
-def hierarchical_allreduce(x, op="mean", comm=None):
-    """Like :func:`hierarchical_allreduce_`, into a new array (``x`` is untouched)."""
-    from .collectives import allreduce
-
-    return allreduce(x, op=op, comm=comm, algorithm="hierarchical")
-
-
-def hierarchical_allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None):
-    """Reduce a list (or dict) of arrays in place, fused, hierarchically.
-
-    Collective, with the contract of :func:`ringtrain.comm.collectives.allreduce_many_`.
-    """
-    from .collectives import allreduce_many_
-
-    return allreduce_many_(arrays, op=op, comm=comm, bucket_bytes=bucket_bytes, algorithm="hierarchical")

@@ -1,7 +1,7 @@
 """Overlapping the gradient allreduce with backward: a bucketed, asynchronous reducer.
 
 Backward produces gradients last layer first. Instead of averaging them all
-after backward (one :func:`~ringtrain.comm.collectives.allreduce_many_`), the
+after backward (one :func:`~ringtrain.comm.buckets.allreduce_many_`), the
 :class:`Reducer` starts a bucket's reduction as soon as its last gradient has
 been pushed, on a communication thread, while the main thread goes on with the
 rest of backward (NumPy's matmuls release the GIL, and so do mpi4py's MPI
@@ -18,10 +18,10 @@ Contract (every rank): the constructor, :meth:`Reducer.wait` and
 names in any order between two ``wait()`` calls. Buckets are planned once, at
 construction, from the arrays in the order given (give them in the order
 ``push`` will deliver them, so buckets fill and start early), with
-:func:`~ringtrain.comm.collectives.plan_buckets`, and they are started strictly in
+:func:`~ringtrain.comm.buckets.plan_buckets`, and they are started strictly in
 that order, so every rank makes the same collective calls in the same order.
 Each bucket goes through the same header-checked path as ``allreduce_many_``
-(:func:`ringtrain.comm.collectives._reduce_bucket`), so mismatched calls still raise
+(:func:`ringtrain.comm.buckets.reduce_bucket`), so mismatched calls still raise
 on every rank, and the results are bitwise those of ``allreduce_many_`` over
 the same list, ``bucket_bytes``, ``op``, ``algorithm`` and ``compression``.
 
@@ -39,10 +39,12 @@ import threading
 import numpy as np
 
 from .. import backend
-from .collectives import _compressed, _list_checks, _reduce_bucket, pack, plan_buckets, unpack
-from .state import CommState
 from ..errors import UsageError
 from ..failure import agree
+from ..flat import contiguous_span
+from .buckets import check_list, pack, plan_buckets, reduce_bucket, travels_as_fp16, unpack
+from .collectives import NO_PROBLEM
+from .state import CommState
 
 __all__ = ["Reducer"]
 
@@ -53,7 +55,7 @@ class _Bucket:
     def __init__(self, indices, arrays, wire):
         self.indices = indices
         members = [arrays[i] for i in indices]
-        self.span = _span(members)
+        self.span = contiguous_span(members)
         self.total = sum(a.size for a in members)
         first = members[0]
         xp = backend.get_array_module(first)
@@ -72,10 +74,10 @@ class Reducer:
             contiguous views of one NumPy buffer (such as a model's
             ``grad_buffer``) are reduced in place, without copies.
         bucket_bytes: largest bucket (default
-            :data:`~ringtrain.comm.collectives.DEFAULT_BUCKET_BYTES`).
+            :data:`~ringtrain.comm.buckets.DEFAULT_BUCKET_BYTES`).
         op: ``"sum"``, ``"mean"``, ``"min"`` or ``"max"``.
         compression: ``None`` or ``"fp16"`` (see
-            :func:`~ringtrain.comm.collectives.allreduce_many_`).
+            :func:`~ringtrain.comm.buckets.allreduce_many_`).
         algorithm: ``"auto"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
         threaded: reduce on a communication thread (default: when MPI
             provides ``MPI_THREAD_MULTIPLE`` and there is more than one rank).
@@ -96,7 +98,7 @@ class Reducer:
         else:
             items = list(arrays)
             names = list(range(len(items)))
-        self.bucket_bytes, self.signature, problem = _list_checks(items, bucket_bytes, compression)
+        self.bucket_bytes, self.signature, problem = check_list(items, bucket_bytes, compression)
         agree(comm, f"Reducer: {problem[1]}" if problem[0] else None)
         self.comm = comm.Dup()
         self.state = CommState.of(self.comm)
@@ -105,7 +107,7 @@ class Reducer:
         self.names, self.arrays = names, items
         self._index = {name: i for i, name in enumerate(names)}
         size = self.state.size
-        self.buckets = [_Bucket(b, items, _compressed(np.dtype(items[b[0]].dtype), compression, size))
+        self.buckets = [_Bucket(b, items, travels_as_fp16(np.dtype(items[b[0]].dtype), compression, size))
                         for b in plan_buckets(items, self.bucket_bytes)]
         self._bucket_of = [0] * len(items)
         for k, bucket in enumerate(self.buckets):
@@ -182,8 +184,9 @@ class Reducer:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
-        self.state.drop_plans()
-        self.state.free_arena()
+        # Plans hold persistent requests on the duplicate: freed first, the
+        # communicator's free is immediate.
+        self.state.close()
         self.comm.Free()
         self.comm = None
 
@@ -230,8 +233,8 @@ class Reducer:
             return
         try:
             with self.trace(k) if self.trace is not None else contextlib.nullcontext():
-                _reduce_bucket(self.state, "Reducer", flat, bucket.wire, self.op, self.algorithm,
-                               len(self.arrays), self.signature, (0, None))
+                reduce_bucket(self.state, "Reducer", flat, bucket.wire, self.op, self.algorithm,
+                              len(self.arrays), self.signature, NO_PROBLEM)
                 if not in_place:
                     unpack(flat, members)
         except BaseException as exc:  # noqa: BLE001 - handed to wait() on the main thread
@@ -244,25 +247,3 @@ class Reducer:
                 return
             self._reduce(job)
             self._done.put(True)
-
-
-def _span(arrays):
-    """A 1-D view over ``arrays`` when they lie back to back in one NumPy buffer, else None."""
-    first = arrays[0]
-    if type(first) is not np.ndarray:
-        return None
-    base = first
-    while isinstance(base.base, np.ndarray):
-        base = base.base
-    if not (base.flags.c_contiguous and base.flags.writeable):
-        return None
-    address = first.ctypes.data
-    for a in arrays:
-        if (type(a) is not np.ndarray or not a.flags.c_contiguous or a.dtype != first.dtype
-                or a.ctypes.data != address):
-            return None
-        address += a.nbytes
-    start = first.ctypes.data - base.ctypes.data
-    if start < 0 or address - base.ctypes.data > base.nbytes:
-        return None
-    return base.reshape(-1).view(np.uint8)[start:address - base.ctypes.data].view(first.dtype)

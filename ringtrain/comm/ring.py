@@ -12,102 +12,55 @@ Each chunk is summed exactly once, along a fixed path round the ring, and then
 copied to everyone: every rank ends with bitwise the same result, and a
 repeated call gives bitwise the same result again.
 
-The index maths (:func:`chunk_bounds`, :func:`ring_schedule`,
-:func:`segments`, :func:`doubling_schedule`) is pure and tested without MPI;
-:func:`ring_allreduce` is the only function here that talks to MPI.
+The schedules are pure and live in :mod:`ringtrain.comm.schedule`; this
+module is where they meet MPI: the two phases as functions
+(:func:`ring_reduce_scatter`, :func:`ring_allgather`, used by the hierarchical
+transport too) and :class:`RingTransport`, the ring behind the transport
+interface.
 """
 
-from ..backend import synchronize
+import numpy as np
 
-__all__ = [
-    "chunk_bounds",
-    "ring_schedule",
-    "segments",
-    "doubling_schedule",
-    "ring_allreduce",
-    "ring_reduce_scatter",
-    "ring_allgather",
-]
+from ..backend import get_array_module, synchronize
+from .base import Transport
+from .policy import SEGMENT_BYTES
+from .schedule import chunk_bounds, ring_schedule, segments
+
+__all__ = ["RingTransport", "ring_allreduce", "ring_reduce_scatter", "ring_allgather"]
 
 
-def chunk_bounds(n, size):
-    """Offsets of ``size`` near-equal chunks of ``n`` elements.
+class RingTransport(Transport):
+    """The pipelined ring over MPI point-to-point messages; works across hosts.
 
-    Returns a list of ``size + 1`` offsets; chunk ``i`` is
-    ``[bounds[i], bounds[i + 1])``. The first ``n % size`` chunks hold one
-    element more, and chunks may be empty when ``n < size``.
+    After the reduce-scatter rank ``r`` owns chunk ``(r + 1) % N`` (where the
+    ring leaves it finished). The receive segments are this transport's own,
+    grown to the largest dtype and segment seen and reused.
     """
-    if size < 1:
-        raise ValueError(f"number of ranks must be at least 1, got {size}")
-    if n < 0:
-        raise ValueError(f"length must be non-negative, got {n}")
-    q, extra = divmod(n, size)
-    bounds = [0]
-    for i in range(size):
-        bounds.append(bounds[-1] + q + (1 if i < extra else 0))
-    return bounds
 
+    name = "ring"
 
-def ring_schedule(rank, size):
-    """The chunk each step sends and receives, for one rank.
+    def __init__(self, comm):
+        super().__init__(comm)
+        self._stages = {}
 
-    Returns ``(reduce_scatter, allgather)``, each a list of ``size - 1``
-    ``(send_chunk, recv_chunk)`` pairs. In the reduce-scatter the received
-    chunk is added to the local one; in the allgather it replaces it. After the
-    reduce-scatter rank ``rank`` owns the finished chunk ``(rank + 1) % size``,
-    which is what it sends first in the allgather.
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside a ring of {size}")
-    reduce_scatter = [((rank - s) % size, (rank - s - 1) % size) for s in range(size - 1)]
-    allgather = [((rank + 1 - s) % size, (rank - s) % size) for s in range(size - 1)]
-    return reduce_scatter, allgather
+    def owned_chunk(self):
+        return (self.rank + 1) % self.size
 
+    def _stages_for(self, x):
+        xp = get_array_module(x)
+        key = (np.dtype(x.dtype), xp.__name__)
+        stages = self._stages.get(key)
+        if stages is None:
+            segment = max(1, SEGMENT_BYTES // x.itemsize)
+            stages = self._stages[key] = (xp.empty(segment, x.dtype), xp.empty(segment, x.dtype))
+        return stages
 
-def segments(start, stop, length):
-    """``[start, stop)`` cut into pieces of at most ``length`` (the pipeline's segments)."""
-    if length < 1:
-        raise ValueError(f"segment length must be at least 1, got {length}")
-    return [(a, min(a + length, stop)) for a in range(start, stop, length)]
+    def reduce_scatter(self, x, combine=np.add):
+        stages = self._stages_for(x)
+        ring_reduce_scatter(self.comm, x, getattr(get_array_module(x), combine.__name__), stages, stages[0].size)
 
-
-def doubling_schedule(rank, size):
-    """Recursive doubling for any number of ranks, as a list of steps.
-
-    The latency-bound path (small messages) uses it: ``ceil(log2 N)``-ish
-    rounds in place of the ring's ``2 (N - 1)``. With ``p`` the largest power
-    of two not above ``size`` and ``rem = size - p``, the first ``2 * rem``
-    ranks pair up: each even one hands its message to the odd one above it
-    (``"fold"``), sits out, and gets the result back at the end
-    (``"unfold"``). The remaining ``p`` ranks exchange with the partner whose
-    index differs in one bit, one bit per round (``"exchange"``).
-
-    Returns a list of ``(kind, peer)``, with kind one of ``"send"`` (send my
-    message to peer, then wait for the result), ``"recv"`` (fold peer's
-    message into mine), ``"exchange"``, ``"unfold"`` (send the result to peer).
-    Combining in rank order (the lower rank's operand first) makes the pairs
-    compute bitwise the same thing.
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside a group of {size}")
-    p = 1 << (size.bit_length() - 1)
-    rem = size - p
-    if rank < 2 * rem and rank % 2 == 0:
-        return [("send", rank + 1)]
-    steps = []
-    if rank < 2 * rem:
-        steps.append(("recv", rank - 1))
-        virtual = rank // 2
-    else:
-        virtual = rank - rem
-    mask = 1
-    while mask < p:
-        partner = virtual ^ mask
-        steps.append(("exchange", partner * 2 + 1 if partner < rem else partner + rem))
-        mask <<= 1
-    if rank < 2 * rem:
-        steps.append(("unfold", rank - 1))
-    return steps
+    def allgather(self, x):
+        ring_allgather(self.comm, x, chunk_bounds(x.size, self.size))
 
 
 def ring_allreduce(comm, buf, combine, stages, segment):

@@ -1,45 +1,54 @@
-"""Reduce-scatter and allgather through shared memory, for ranks on one host.
+"""The shared-memory window: ranks on one host read each other's memory directly.
 
 The ring moves every byte through MPI's shared-memory channel: the sender
 copies a segment into MPI's cells and the receiver copies it out again. When
 every rank of the communicator runs on one host, the ranks can read each
-other's memory directly instead. The algorithm keeps the ring's structure
+other's memory instead. :class:`WindowTransport` keeps the ring's structure
 (rank r owns chunk r: the reduce-scatter leaves each chunk reduced by its
 owner, the allgather hands it to everyone), but each rank *reads* its peers'
-contributions from an MPI shared-memory window instead of receiving them
-around the ring: one copy less per byte, and no per-segment handshakes.
+contributions from an MPI shared-memory window (:class:`SharedArena`): one
+copy less per byte, and no per-segment handshakes.
 
-Per block of at most :data:`BLOCK_BYTES`:
+A buffer goes in rounds; round ``k`` handles piece ``k`` of every chunk:
 
-1. publish: each rank copies the chunks its peers own into its own slot;
-2. sync; each rank reduces its own chunk, in place: its own values, then
-   every peer's slot, in rank order (a fixed order: results repeat exactly);
-3. it publishes the reduced chunk; sync; it copies every other chunk from
-   its owner's slot.
+1. publish: each rank copies piece ``k`` of the chunks its peers own into
+   its own slot; sync;
+2. reduce: each owner adds, into its own piece, every peer's copy in rank
+   order (its own values first, then the peers': a fixed order, so results
+   repeat exactly);
+3. allgather: the owner publishes the reduced piece; sync; every rank copies
+   every other owner's piece from its slot.
 
-Blocks alternate between two halves of each rank's slot, so one sync per
-step is enough: the half a block writes was last read two blocks earlier,
+:meth:`WindowTransport.allreduce` runs the three per round, while the piece
+is still in cache; the reduce-scatter alone is 1-2 and the allgather alone
+is 3. Which rank owns an element, and the order its values are added in,
+depend only on the buffer's length and the rank count, never on the round
+size: the phases and the fused allreduce give bitwise the same result.
+
+Arrays that a model keeps in the window itself (:meth:`WindowTransport.share`)
+are read by the peers in place: no publish copy at all.
+
+Rounds alternate between two halves of each rank's slot, so one sync per
+step is enough: the half a round writes was last read two rounds earlier,
 before the sync that every rank has since passed.
-
-Measured at 2 ranks on the 2-core development VM: one block (2.6 MiB, a
-670k-parameter gradient) ran at 2.1-2.6x MPI's ``Allreduce`` in every run.
-In blocks, 16 MiB ran anywhere from 1.6x to 0.3x MPI's time from one launch
-to the next: each of its ~33 barriers waits for the slowest rank, and on a
-shared host a rank that loses its core for a moment stalls them all. So
-``algorithm="auto"`` uses this path only up to :data:`SINGLE_BLOCK_BYTES`;
-``algorithm="shm"`` forces it at any size.
 """
 
 import numpy as np
 
-from .ring import chunk_bounds
+from ..flat import address
+from .base import Transport
+from .policy import SMALL_VALUES, WINDOW_BYTES
+from .schedule import chunk_bounds
 
-__all__ = ["SharedArena", "shm_allreduce", "BLOCK_BYTES", "SINGLE_BLOCK_BYTES"]
+__all__ = ["SharedArena", "WindowTransport", "HALF_BYTES", "ROUND_BYTES"]
 
-# Above SINGLE_BLOCK_BYTES a message goes in blocks of BLOCK_BYTES, so that
-# what one block publishes is still in cache when the peers read it.
-BLOCK_BYTES = 1 << 20
-SINGLE_BLOCK_BYTES = 4 << 20
+# Each half of a rank's slot stages one round. A buffer of up to HALF_BYTES
+# goes in one round; a larger one in rounds of ROUND_BYTES, so that what a
+# round publishes is still in cache when the peers read it.
+HALF_BYTES = WINDOW_BYTES
+ROUND_BYTES = 1 << 20
+# The tail of each half carries sum_small's values.
+_TAIL_BYTES = SMALL_VALUES * 8
 
 
 class SharedArena:
@@ -57,7 +66,7 @@ class SharedArena:
         self.half = slot_bytes // 2
 
     @classmethod
-    def create(cls, comm, slot_bytes=2 * SINGLE_BLOCK_BYTES, extra_bytes=0):
+    def create(cls, comm, slot_bytes=2 * HALF_BYTES, extra_bytes=0):
         """The arena for ``comm``, or None unless every rank of ``comm`` shares one host.
 
         Each rank gets a slot of ``slot_bytes`` (two halves) and, after it,
@@ -95,44 +104,198 @@ class SharedArena:
             self._win = self._node = None
 
 
-def _block(arena, x, half, combine):
-    """Allreduce one block ``x`` (1-D, contiguous) through half ``half`` of every slot."""
-    rank, size = arena.rank, arena.size
-    bounds = chunk_bounds(x.size, size)
-    offset = half * arena.half
-    views = [slot[offset: offset + x.nbytes].view(x.dtype) for slot in arena.slots]
-    mine = views[rank]
-    for owner in range(size):  # publish what the peers own
-        if owner != rank:
-            mine[bounds[owner]:bounds[owner + 1]] = x[bounds[owner]:bounds[owner + 1]]
-    arena.sync()
-    a, b = bounds[rank], bounds[rank + 1]
-    chunk = x[a:b]
-    for peer in range(size):
-        if peer != rank:
-            combine(chunk, views[peer][a:b], out=chunk)
-    mine[a:b] = chunk
-    arena.sync()
-    for owner in range(size):  # gather the chunks reduced by their owners
-        if owner != rank:
-            x[bounds[owner]:bounds[owner + 1]] = views[owner][bounds[owner]:bounds[owner + 1]]
+def piece_bounds(bounds, owner, k, piece):
+    """``(start, stop)`` of round ``k``'s piece of chunk ``owner``, ``piece`` elements a round (pure)."""
+    start = min(bounds[owner] + k * piece, bounds[owner + 1])
+    return start, min(start + piece, bounds[owner + 1])
 
 
-def shm_allreduce(arena, x, combine):
-    """Reduce the 1-D contiguous NumPy array ``x`` across the arena's ranks, in place.
+def round_plan(n, itemsize, size, half_bytes=HALF_BYTES):
+    """``(bounds, piece, rounds)`` for a buffer of ``n`` elements over ``size`` ranks (pure).
 
-    Collective over the arena's communicator, with the same length, dtype and
-    ``combine`` on every rank (:mod:`ringtrain.comm.collectives` checks that
-    first). Every chunk is reduced once, by its owner, in a fixed order, so
-    every rank ends with bitwise the same result and a repeated call repeats it.
+    A buffer that fits one half goes in one round; a larger one in rounds of
+    :data:`ROUND_BYTES`. Every rank computes the same plan.
     """
-    if arena.size == 1 or x.size == 0:
+    bounds = chunk_bounds(n, size)
+    largest = bounds[1] - bounds[0]  # chunk 0 is never shorter than another
+    region = _region_bytes(half_bytes, size) // itemsize
+    if n * itemsize <= half_bytes - _TAIL_BYTES and largest <= region:
+        piece = max(largest, 1)
+    else:
+        piece = max(1, min(region, ROUND_BYTES // size // itemsize))
+    return bounds, piece, -(-largest // piece)
+
+
+def _region_bytes(half_bytes, size):
+    # One region per owner in each half, 64-byte aligned, before the small-values tail.
+    return (half_bytes - _TAIL_BYTES) // size // 64 * 64
+
+
+class WindowTransport(Transport):
+    """The reduce-scatter and allgather through a shared-memory window; every rank on one host.
+
+    Each phase (and each round of the fused allreduce) uses one half of every
+    slot, alternating, and writes its half before its sync and reads after:
+    what it overwrites was last read two rounds back, before the sync of the
+    round in between, which every rank has since passed. So no call needs a
+    closing barrier, and calls may come in any order.
+
+    Arrays made by :meth:`share` live in the window: when a phase is given
+    one, the peers read it in place. Each such array is written only by its
+    owner, and only where no peer reads it at the time: the sharded step
+    writes its gradients (backward) after the step's last sync, by which time
+    the peers have read them, and its parameter chunk (the update) after the
+    next reduce-scatter's sync, by which time the peers have copied it.
+    """
+
+    name = "shm"
+
+    def __init__(self, arena):
+        super().__init__(arena.comm)
+        self.arena = arena
+        self._units = 0
+        self._base = 0
+        self._regions = {}  # (dtype, half) -> [rank][owner] region views
+        self._shared = {}   # address of this rank's shared array -> every rank's array
+        self._shared_used = 0
+
+    @classmethod
+    def create(cls, comm, shared_bytes=0):
+        """Collective; None unless every rank of ``comm`` shares one host.
+
+        ``shared_bytes``: room for :meth:`share` (each array 64-byte aligned).
+        """
+        arena = SharedArena.create(comm, extra_bytes=shared_bytes)
+        return cls(arena) if arena is not None else None
+
+    def share(self, n, dtype):
+        """A 1-D array of ``n`` elements of ``dtype`` in this rank's part of the window (collective).
+
+        Every rank must make the same calls; the peers then read the array in
+        place when it is handed to a phase.
+        """
+        dtype = np.dtype(dtype)
+        start = self._shared_used
+        stop = start + n * dtype.itemsize
+        if stop > self.arena.extras[self.rank].size:
+            raise ValueError(f"the window has {self.arena.extras[self.rank].size - start} bytes left to share, "
+                             f"{n * dtype.itemsize} asked for; create it with a larger shared_bytes")
+        self._shared_used = -(-stop // 64) * 64
+        everyone = [extra[start:stop].view(dtype) for extra in self.arena.extras]
+        self._shared[address(everyone[self.rank])] = everyone
+        return everyone[self.rank]
+
+    def unshare(self):
+        """Forget the shared arrays (their memory stays the window's until :meth:`close`)."""
+        self._shared.clear()
+        self._shared_used = 0
+
+    def _peers(self, x):
+        """Every rank's array when ``x`` is this rank's whole shared array, else None."""
+        everyone = self._shared.get(address(x))
+        return everyone if everyone is not None and everyone[self.rank].size == x.size else None
+
+    def _next_half(self, dtype):
+        half = self._units % 2
+        self._units += 1
+        key = (np.dtype(dtype), half)
+        regions = self._regions.get(key)
+        if regions is None:
+            size, width = self.size, _region_bytes(self.arena.half, self.size)
+            base = half * self.arena.half
+            regions = self._regions[key] = [
+                [slot[base + o * width: base + (o + 1) * width].view(dtype) for o in range(size)]
+                for slot in self.arena.slots]
+        self._base = half * self.arena.half
+        return regions
+
+    def reduce_scatter(self, x, combine=np.add):
+        peers = self._peers(x)
+        if peers is not None:
+            self._next_half(x.dtype)
+            self.arena.sync()
+            self._reduce_shared(x, peers, combine)
+            return
+        bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
+        for k in range(rounds):
+            regions = self._next_half(x.dtype)
+            self._publish_others(x, regions[self.rank], bounds, k, piece)
+            self.arena.sync()
+            self._reduce_piece(x, regions, bounds, k, piece, combine)
+
+    def allgather(self, x):
+        peers = self._peers(x)
+        bounds = chunk_bounds(x.size, self.size)
+        if peers is not None:
+            self._next_half(x.dtype)
+            self.arena.sync()
+            for owner in self._others():
+                x[bounds[owner]:bounds[owner + 1]] = peers[owner][bounds[owner]:bounds[owner + 1]]
+            return
+        bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
+        for k in range(rounds):
+            regions = self._next_half(x.dtype)
+            a, b = piece_bounds(bounds, self.rank, k, piece)
+            regions[self.rank][self.rank][:b - a] = x[a:b]
+            self.arena.sync()
+            self._gather_piece(x, regions, bounds, k, piece)
+
+    def allreduce(self, x, combine=np.add):
+        if self._peers(x) is not None:
+            return super().allreduce(x, combine)
+        bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
+        for k in range(rounds):
+            regions = self._next_half(x.dtype)
+            mine = regions[self.rank]
+            self._publish_others(x, mine, bounds, k, piece)
+            self.arena.sync()
+            a, b = self._reduce_piece(x, regions, bounds, k, piece, combine)
+            # My own region of this half is free: the peers read only the regions of their chunks.
+            mine[self.rank][:b - a] = x[a:b]
+            self.arena.sync()
+            self._gather_piece(x, regions, bounds, k, piece)
         return x
-    block = x.nbytes if x.nbytes <= SINGLE_BLOCK_BYTES else BLOCK_BYTES
-    step = max(1, block // x.itemsize)
-    for k, start in enumerate(range(0, x.size, step)):
-        _block(arena, x[start:start + step], k % 2, combine)
-    # The next call's first block may reuse the half this call's last block
-    # read from: nobody may start it before everyone has finished reading.
-    arena.sync()
-    return x
+
+    def sum_small(self, values):
+        self._next_half(np.float64)
+        end = self._base + self.arena.half
+        tails = [slot[end - _TAIL_BYTES:end].view(np.float64)[:values.size] for slot in self.arena.slots]
+        tails[self.rank][:] = values
+        self.arena.sync()
+        values[:] = tails[0]
+        for tail in tails[1:]:
+            values += tail
+        return values
+
+    def close(self):
+        self.unshare()
+        self._regions.clear()
+        self.arena.free()
+
+    # -- one round's pieces -----------------------------------------------------
+    def _others(self):
+        return [r for r in range(self.size) if r != self.rank]
+
+    def _publish_others(self, x, mine, bounds, k, piece):
+        for owner in self._others():
+            a, b = piece_bounds(bounds, owner, k, piece)
+            mine[owner][:b - a] = x[a:b]
+
+    def _reduce_piece(self, x, regions, bounds, k, piece, combine):
+        a, b = piece_bounds(bounds, self.rank, k, piece)
+        theirs = [regions[peer][self.rank][:b - a] for peer in range(self.size)]
+        chunk = x[a:b]
+        for peer in self._others():  # own values first, then the peers' in rank order
+            combine(chunk, theirs[peer], out=chunk)
+        return a, b
+
+    def _reduce_shared(self, x, peers, combine):
+        a, b = self.owned(x.size)
+        chunk = x[a:b]
+        for peer in self._others():  # the order _reduce_piece uses: bitwise its result
+            combine(chunk, peers[peer][a:b], out=chunk)
+
+    def _gather_piece(self, x, regions, bounds, k, piece):
+        for owner in self._others():
+            a, b = piece_bounds(bounds, owner, k, piece)
+            x[a:b] = regions[owner][owner][:b - a]

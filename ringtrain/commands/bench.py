@@ -91,7 +91,8 @@ def run(args):
     import numpy as np
     from mpi4py import MPI
 
-    from ..comm.collectives import RING_BYTES, SMALL_BYTES, allreduce_
+    from ..comm import allreduce_
+    from ..comm.policy import RING_BYTES, SMALL_BYTES
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0", everywhere=True)
@@ -144,11 +145,11 @@ def _size(nbytes):
 
 
 def _print_header(size, copy, small, ring):
-    print(f"# ringtrain bench allreduce: {size} rank(s), float32 sum, busbw = algbw * 2(N-1)/N")
-    from ..comm.window import SINGLE_BLOCK_BYTES
+    from ..comm.policy import WINDOW_BYTES
 
+    print(f"# ringtrain bench allreduce: {size} rank(s), float32 sum, busbw = algbw * 2(N-1)/N")
     print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, then "
-          f"shared memory up to {_size(SINGLE_BLOCK_BYTES)} on one host (else MPI Allreduce below {_size(ring)}), "
+          f"shared memory up to {_size(WINDOW_BYTES)} on one host (else MPI Allreduce below {_size(ring)}), "
           f"ring from there")
     print(f"# {'size':>6} {'count':>10} | {'mpi us':>9} {'busbw':>6} | {'ring us':>9} {'busbw':>6} | "
           f"{'auto us':>9} {'busbw':>6} | {'ring/mpi':>8} {'ring/cpy':>8} {'auto/mpi':>8}")

@@ -2,7 +2,7 @@
 
 from ..topology import TaskSpec
 
-HELP = "show every rank's host, local rank, node and device, and the MPI library"
+HELP = "show every rank's host, local rank, node and device, the MPI library, and whether it is CUDA-aware"
 
 
 def add_arguments(parser):
@@ -28,7 +28,10 @@ def run(args):
 
     from mpi4py import MPI
 
+    from ..comm.cuda import cuda_aware
+
     comm = MPI.COMM_WORLD
+    aware, why = cuda_aware()
     spec = TaskSpec.from_mpi(comm)
     specs = comm.gather(spec, root=0)
     if not spec.is_master:
@@ -40,9 +43,12 @@ def run(args):
             "mpi_version": "%d.%d" % MPI.Get_version(),
             "size": spec.size,
             "num_nodes": spec.num_nodes,
+            "cuda_aware": aware,
+            "cuda_aware_why": why,
             "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "hosts"} for s in specs],
         }, indent=2))
         return 0
     print(f"ringtrain: {spec.size} rank(s) on {spec.num_nodes} node(s); MPI: {library}")
+    print(f"CUDA-aware MPI: {'yes' if aware else 'no'} ({why})")
     print(table(specs))
     return 0

@@ -7,26 +7,22 @@ FILE`` (TOML or YAML) sets the same names, and flags override the file.
 import argparse
 import dataclasses
 
-from ..training.config import FIELDS, TrainConfig, _type_name, load_config_file, parse_ints, resolve
+from ..training.config import FIELDS, TrainConfig, flag_name, load_config_file, parse_ints, resolve, type_name
 
 HELP = "train a model data-parallel (run under mpirun -np N)"
-
-
-def _flag(name):
-    return "--" + name.replace("_", "-")
 
 
 def add_arguments(parser):
     parser.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings (flags override it)")
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
-        kind = _type_name(field)
+        kind = type_name(field)
         default = getattr(defaults, field.name)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         help_text = field.metadata["help"] + (f" (default: {shown})" if shown is not None else "")
         kwargs = {"default": None, "help": help_text, "dest": field.name}
         if kind == "bool":
-            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, **kwargs)
+            parser.add_argument(flag_name(field.name), action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if kind == "ints":
             kwargs["type"] = lambda text, _n=field.name: parse_ints(text, _n)
@@ -36,7 +32,7 @@ def add_arguments(parser):
             kwargs["metavar"] = "N" if kind == "int" else "X"
         else:
             kwargs["metavar"] = field.name.upper().replace("_", "-")
-        parser.add_argument(_flag(field.name), **kwargs)
+        parser.add_argument(flag_name(field.name), **kwargs)
 
 
 def config_from_args(args):

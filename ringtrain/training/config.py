@@ -7,14 +7,15 @@ and nothing (not even the run directory) is written.
 """
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 
+from ..comm.policy import ALGORITHMS
 from ..errors import UsageError
+from ..models import MODELS
 
-__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "fingerprint"]
+__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "FIELDS", "type_name",
+           "flag_name", "parse_ints", "to_json"]
 
 
 def _f(default, help, **kw):
@@ -26,7 +27,7 @@ class TrainConfig:
     """Everything ``ringtrain train`` needs; the fields are the flags and the config file's keys."""
 
     dataset: str = _f("digits", "digits, mnist5k, synthetic, PATH.npz, or a directory with x.npy and y.npy")
-    model: str = _f("mlp", "mlp or softmax")
+    model: str = _f("mlp", "a registered model: mlp, softmax, or one added with ringtrain.register_model")
     hidden: tuple = _f((256, 128), "hidden layer sizes of the mlp, comma-separated", parse="ints")
     epochs: int = _f(30, "passes over the training set")
     batch_size: int = _f(32, "samples per step on each rank (global batch = this x ranks)")
@@ -61,7 +62,7 @@ class TrainConfig:
                                      "gradients, update this rank's shard, allgather the parameters")
     allreduce: str = _f("auto", "gradient allreduce: auto, ring, mpi, hierarchical (within hosts, then across), "
                         "or shm (shared memory, every rank on one host)",
-                        choices=("auto", "ring", "mpi", "hierarchical", "shm"))
+                        choices=ALGORITHMS)
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
     progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal")
 
@@ -75,13 +76,19 @@ MUST_MATCH = ("dataset", "model", "hidden", "epochs", "batch_size", "lr", "optim
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _type_name(field):
+def type_name(field):
+    """The kind of value a field takes: "ints", "bool", "int", "float" or "str"."""
     if field.metadata.get("parse") == "ints":
         return "ints"
     if "kind" in field.metadata:  # fields whose default (None) does not show their type
         return field.metadata["kind"]
     default = field.default
     return {bool: "bool", int: "int", float: "float"}.get(type(default), "str")
+
+
+def flag_name(name):
+    """The command-line flag of a field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
 
 
 def parse_ints(text, name="hidden"):
@@ -104,7 +111,7 @@ def coerce(name, value, source):
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise UsageError(f"{source}: unknown setting {name!r}{hint}", everywhere=True)
     field = FIELDS[name]
-    kind = _type_name(field)
+    kind = type_name(field)
     bad = UsageError(f"{source}: setting {name!r} must be {kind}, got {value!r}", everywhere=True)
     if value is None:
         if field.default is None:  # an optional setting (run_dir, max_steps, ...): null means unset
@@ -188,8 +195,8 @@ def resolve(flags, file_settings=None):
 def validate(cfg):
     """Raise a one-line UsageError (on every rank) for the first bad value in ``cfg``."""
 
-    def bad(flag, problem):
-        raise UsageError(f"--{flag.replace('_', '-')}: {problem}", everywhere=True)
+    def bad(name, problem):
+        raise UsageError(f"{flag_name(name)}: {problem}", everywhere=True)
 
     def positive(name, allow_zero=False):
         value = getattr(cfg, name)
@@ -216,8 +223,8 @@ def validate(cfg):
         bad("momentum", f"must be in [0, 1), got {cfg.momentum}")
     if not 0 < cfg.test_fraction < 1:
         bad("test_fraction", f"must be between 0 and 1, got {cfg.test_fraction}")
-    if cfg.model not in ("mlp", "softmax"):
-        bad("model", f"unknown model {cfg.model!r}; choose one of mlp, softmax")
+    if cfg.model not in MODELS:
+        bad("model", f"unknown model {cfg.model!r}; choose one of {', '.join(sorted(MODELS))}")
     if cfg.model == "mlp" and not cfg.hidden:
         bad("hidden", "the mlp needs at least one hidden layer, e.g. --hidden 128")
     if any(h <= 0 for h in cfg.hidden):
@@ -231,12 +238,6 @@ def validate(cfg):
     if cfg.run_dir is not None and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
         bad("run_dir", f"{cfg.run_dir!r} exists and is not a directory")
     return cfg
-
-
-def fingerprint(cfg, names=MUST_MATCH):
-    """A short digest of the settings every rank must share (compared across ranks at start-up)."""
-    subset = {n: getattr(cfg, n) for n in names}
-    return hashlib.sha256(json.dumps(subset, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
 
 def to_json(cfg):

@@ -9,9 +9,11 @@ present (marker ``gpu``).
 import numpy as np
 import pytest
 from mpi4py import MPI
+from references import close, data, reference, same_everywhere
 
 from ringtrain import backend
-from ringtrain.comm.collectives import SMALL_BYTES, allreduce, allreduce_, allreduce_many_, broadcast_
+from ringtrain.comm import allreduce, allreduce_, allreduce_many_, broadcast_
+from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.comm.state import CommState
 from ringtrain.errors import MismatchError, UsageError
 
@@ -31,36 +33,6 @@ def xp(request):
     if not backend.gpu_available():
         pytest.skip("no CUDA GPU visible to CuPy on this machine")
     return backend.xp_for("gpu")
-
-
-def data(n, dtype, seed=0):
-    """This rank's input: small integers for int dtypes, normals for floats."""
-    rng = np.random.default_rng(1000 * seed + rank)
-    if np.dtype(dtype).kind == "i":
-        return rng.integers(-1000, 1000, n).astype(dtype)
-    return (rng.standard_normal(n) * 4).astype(dtype)
-
-
-def reference(x, op):
-    """MPI's own Allreduce: exact for integers, in float64 for floats."""
-    wide = x.astype(np.int64 if x.dtype.kind == "i" else np.float64)
-    mpi_op = {"sum": MPI.SUM, "mean": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}[op]
-    comm.Allreduce(MPI.IN_PLACE, wide, mpi_op)
-    return wide / size if op == "mean" else wide
-
-
-def close(got, want, dtype):
-    got = backend.to_numpy(got).astype(np.float64)
-    if np.dtype(dtype).kind == "i":
-        return np.array_equal(got, want)
-    tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}[np.dtype(dtype).type]
-    return np.allclose(got, want, rtol=tol, atol=tol * 4 * size)
-
-
-def same_everywhere(y):
-    """True on every rank when all ranks hold bitwise the same array."""
-    mine = backend.to_numpy(y).tobytes()
-    return all(other == mine for other in comm.allgather(mine))
 
 
 @pytest.mark.mpi
@@ -225,12 +197,12 @@ def test_broadcast(xp):
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float32, np.int64])
 def test_shared_memory_in_blocks_matches_mpi(dtype):
-    # Above SINGLE_BLOCK_BYTES the shared-memory path works in blocks that
-    # alternate between two halves of each slot: a prime length past it
-    # crosses several blocks and ends in a partial one.
-    from ringtrain.comm.window import SINGLE_BLOCK_BYTES
+    # Above HALF_BYTES the window works in rounds that alternate between two
+    # halves of each slot: a prime length past it crosses several rounds and
+    # ends in a partial one.
+    from ringtrain.comm.window import HALF_BYTES
 
-    n = SINGLE_BLOCK_BYTES // np.dtype(dtype).itemsize + 100_003
+    n = HALF_BYTES // np.dtype(dtype).itemsize + 100_003
     x = data(n, dtype, seed=7)
     want = reference(x, "sum")
     got = allreduce(x, "sum", comm, algorithm="shm")

@@ -10,7 +10,8 @@ from mpi4py import MPI
 
 from ringtrain import UsageError
 from ringtrain.sharding import EpochPlan
-from ringtrain.datasets import load_sharded, reduce_eval, sum_eval
+from ringtrain.datasets import load_sharded
+from ringtrain.training.evaluate import reduce_eval, sum_eval
 
 SYNTHETIC = dict(samples=1009, features=7, classes=3, seed=4, test_fraction=0.2)  # 1009 is prime
 

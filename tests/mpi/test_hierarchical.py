@@ -9,10 +9,12 @@ Every test asserts after its last collective.
 import numpy as np
 import pytest
 from mpi4py import MPI
+from references import data, reference, same_everywhere
 
-from ringtrain.comm.collectives import SMALL_BYTES, allreduce_many_
+from ringtrain.comm import allreduce, allreduce_, allreduce_many_
+from ringtrain.comm.hierarchical import Hierarchy
+from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.errors import MismatchError
-from ringtrain.comm.hierarchical import Hierarchy, hierarchical_allreduce, hierarchical_allreduce_
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -20,24 +22,6 @@ rank, size = comm.Get_rank(), comm.Get_size()
 LENGTHS = [0, 1, 3, 1009]
 SEGMENTED = (1 << 20) // 4 + 7
 GROUPINGS = ["shared-memory", "blocks of two", "interleaved"]
-
-
-def data(n, dtype, seed=0):
-    rng = np.random.default_rng(1000 * seed + rank)
-    if np.dtype(dtype).kind == "i":
-        return rng.integers(-1000, 1000, n).astype(dtype)
-    return (rng.standard_normal(n) * 4).astype(dtype)
-
-
-def reference(x, op="sum"):
-    wide = x.astype(np.int64 if x.dtype.kind == "i" else np.float64)
-    comm.Allreduce(MPI.IN_PLACE, wide, {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX}[op])
-    return wide / size if op == "mean" else wide
-
-
-def same_everywhere(y):
-    mine = y.tobytes()
-    return all(other == mine for other in comm.allgather(mine))
 
 
 @pytest.fixture(params=GROUPINGS)
@@ -62,7 +46,7 @@ def test_sum_matches_mpi_and_is_identical_everywhere(grouped, dtype):
     for n in LENGTHS + ([SEGMENTED] if dtype == np.float32 else []):
         x = data(n, dtype)
         want = reference(x)
-        got = hierarchical_allreduce(x, "sum", grouped)
+        got = allreduce(x, "sum", grouped, algorithm="hierarchical")
         if got.dtype != x.dtype or got.shape != x.shape:
             failures.append((n, "type"))
         if not np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol * 4 * size):
@@ -76,8 +60,8 @@ def test_sum_matches_mpi_and_is_identical_everywhere(grouped, dtype):
 def test_mean_in_place_on_a_2d_array_and_repeatable(grouped):
     x = data((SMALL_BYTES // 20 + 1) * 5, np.float32, seed=1).reshape(-1, 5)  # above the small-message path
     want = reference(x, "mean")
-    first = hierarchical_allreduce_(x.copy(), "mean", grouped)
-    second = hierarchical_allreduce_(x.copy(), "mean", grouped)
+    first = allreduce_(x.copy(), "mean", grouped, algorithm="hierarchical")
+    second = allreduce_(x.copy(), "mean", grouped, algorithm="hierarchical")
     identical = same_everywhere(first)
     assert first.shape == x.shape
     assert np.allclose(first, want, rtol=1e-5, atol=1e-5)
@@ -124,4 +108,4 @@ def test_attached_grouping_makes_one_leader_per_host():
 def test_mismatched_lengths_raise_on_every_rank():
     x = np.ones(SMALL_BYTES + (rank == 1), np.float32)
     with pytest.raises(MismatchError, match="lengths"):
-        hierarchical_allreduce_(x, "sum", comm)
+        allreduce_(x, "sum", comm, algorithm="hierarchical")

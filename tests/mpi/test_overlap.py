@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.comm.collectives import SMALL_BYTES, allreduce_many_
+from ringtrain.comm import allreduce_many_
+from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.errors import MismatchError, UsageError
 from ringtrain.models import build_model
 from ringtrain.comm.reducer import Reducer

@@ -13,7 +13,8 @@ from mpi4py import MPI
 
 from ringtrain.training.config import TrainConfig
 from ringtrain.models import build_model
-from ringtrain.training.loop import params_digest, train
+from ringtrain.training.loop import train
+from ringtrain.training.replicas import params_digest
 
 QUIET = dict(progress=False, log_every=1000, eval_every=0)
 

@@ -271,37 +271,53 @@ def test_bad_batches_are_rejected():
 
 
 def test_flat_layout_finds_the_mlp_buffers_in_backward_order():
-    from ringtrain.training.sharded import flat_layout
+    from ringtrain.models import flat_layout
 
     model = build_model("mlp", 6, 3, hidden=(5, 4), seed=0)
-    order = flat_layout(model)
-    assert order == list(reversed(model.params))
-    offsets = [p.__array_interface__["data"][0] - model.param_buffer.__array_interface__["data"][0]
-               for p in (model.params[n] for n in order)]
-    assert offsets == sorted(offsets) and offsets[0] == 0
+    layout = flat_layout(model)
+    assert list(layout.order) == list(reversed(model.params))
+    base = model.param_buffer.__array_interface__["data"][0]
+    offsets = [(model.params[n].__array_interface__["data"][0] - base) // 4 for n in layout.order]
+    assert offsets == [layout.bounds[n][0] for n in layout.order] and offsets[0] == 0
+    assert layout.size == model.param_buffer.size == sum(p.size for p in model.params.values())
     loss, grads, _ = model.loss_and_grad(np.ones((2, 6), np.float32), np.array([0, 2]))
     assert np.shares_memory(grads["fc1.weight"], model.grad_buffer)
 
 
-def test_flat_layout_is_none_without_matching_buffers():
-    from ringtrain.training.sharded import flat_layout
+def test_only_a_flat_model_has_a_layout_and_a_broken_one_is_named():
+    from ringtrain.models import FlatModel, flat_layout
 
     model = build_model("mlp", 6, 3, hidden=(5,), seed=0)
 
-    class Loose:  # parameters that are separate arrays
-        params = {k: v.copy() for k, v in model.params.items()}
-        grads = {k: v.copy() for k, v in model.grads.items()}
+    class Duck:  # the same attributes, but it never opted in: the plain path, no guessing
+        params, grads = model.params, model.grads
         param_buffer, grad_buffer = model.param_buffer, model.grad_buffer
 
-    class Shuffled:  # gradients of the same shapes, laid out in forward order instead
-        params, param_buffer = model.params, model.param_buffer
-        grad_buffer = np.zeros_like(model.grad_buffer)
-        grads = {"fc1.weight": grad_buffer[:30].reshape(6, 5), "fc1.bias": grad_buffer[30:35],
-                 "fc2.weight": grad_buffer[35:50].reshape(5, 3), "fc2.bias": grad_buffer[50:53]}
-
-    assert flat_layout(Loose()) is None
-    assert flat_layout(Shuffled()) is None
+    assert flat_layout(Duck()) is None
     assert flat_layout(object()) is None
+
+    class Forgot(FlatModel):
+        pass
+
+    with pytest.raises(ValueError, match="never called _init_flat"):
+        flat_layout(Forgot())
+    broken = build_model("mlp", 6, 3, hidden=(5,), seed=0)
+    broken.grads["fc1.bias"] = np.zeros(5, np.float32)  # a loose array where a view belongs
+    with pytest.raises(ValueError, match="gradient 'fc1.bias' is not the view of its flat buffer"):
+        flat_layout(broken)
+
+
+def test_contiguous_span_needs_one_allocation_back_to_back():
+    from ringtrain.flat import contiguous_span
+
+    flat = np.arange(10, dtype=np.float32)
+    assert np.shares_memory(contiguous_span([flat[2:5], flat[5:9]]), flat)
+    np.testing.assert_array_equal(contiguous_span([flat[2:5], flat[5:9]]), flat[2:9])
+    assert contiguous_span([flat[5:9], flat[2:5]]) is None          # out of order
+    assert contiguous_span([flat[2:4], flat[5:9]]) is None          # a gap
+    assert contiguous_span([flat[:3], np.zeros(3, np.float32)]) is None  # two allocations
+    assert contiguous_span([flat[::2]]) is None                     # strided
+    assert contiguous_span([]) is None
 
 
 def test_rebind_moves_the_buffers_and_keeps_the_dicts():

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from ringtrain.comm.collectives import plan_buckets
+from ringtrain.comm.buckets import plan_buckets
 from ringtrain.commands.bench import message_sizes, parse_bytes
 from ringtrain.errors import UsageError
-from ringtrain.comm.ring import chunk_bounds, doubling_schedule, ring_schedule, segments
+from ringtrain.comm.schedule import chunk_bounds, doubling_schedule, ring_schedule, segments
 
 SIZES = range(1, 10)
 

@@ -29,4 +29,4 @@ def test_threads_per_rank_is_a_fair_share_of_cores():
 
 
 def test_an_explicit_thread_variable_wins():
-    assert TaskSpec().limit_threads(environ={"OMP_NUM_THREADS": "3"}) is None
+    assert TaskSpec().thread_cap(environ={"OMP_NUM_THREADS": "3"}) is None

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from ringtrain.comm.collectives import allreduce
+from ringtrain.comm import allreduce
 
 comm = MPI.COMM_WORLD
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 18

@@ -39,39 +39,39 @@ from ringtrain.cli import build_parser
 from ringtrain.commands.train import config_from_args
 from ringtrain.errors import UsageError
 from ringtrain.failure import abort_on_error
+from ringtrain.training.replicas import params_digest
 
 
-class Faulty:
-    """Wrap a model; misbehave at one step. Everything else goes to the wrapped model."""
+def inject(model, fault, at):
+    """Make ``model`` misbehave at one step: its ``loss_and_grad`` is replaced on the instance.
 
-    def __init__(self, inner, fault, at):
-        self.inner, self.fault, self.at, self.calls = inner, fault, at, 0
-        self.params = inner.params
+    The model stays what it was (a FlatModel keeps the fast paths), so the
+    faulty run takes the same strategy as the straight run it is compared with.
+    """
+    inner = model.loss_and_grad
+    calls = [0]
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def evaluate(self, x, y, *args, **kwargs):
-        return self.inner.evaluate(x, y, *args, **kwargs)
-
-    def loss_and_grad(self, x, y, on_grad=None):
-        step, self.calls = self.calls, self.calls + 1
-        if step == self.at or (self.fault == "nan-from" and step >= self.at):
-            if self.fault == "kill":
+    def loss_and_grad(x, y, on_grad=None):
+        step, calls[0] = calls[0], calls[0] + 1
+        if step == at or (fault == "nan-from" and step >= at):
+            if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            elif self.fault == "sleep":
+            elif fault == "sleep":
                 time.sleep(120)
-            elif self.fault == "raise":
+            elif fault == "raise":
                 raise RuntimeError(f"injected fault at step {step}")
-            elif self.fault == "diverge":
-                first = next(iter(self.params.values()))
+            elif fault == "diverge":
+                first = next(iter(model.params.values()))
                 first.reshape(-1)[0] += 1.0
-            elif self.fault in ("nan", "nan-from"):
+            elif fault in ("nan", "nan-from"):
                 # In the input, not the returned gradients: with overlap the
                 # gradients are reduced inside backward, before we could touch them.
                 x = x.copy()
                 x[0, 0] = float("nan")
-        return self.inner.loss_and_grad(x, y, on_grad=on_grad)
+        return inner(x, y, on_grad=on_grad)
+
+    model.loss_and_grad = loss_and_grad
+    return model
 
 
 def install(fault, at):
@@ -88,7 +88,7 @@ def install(fault, at):
         ringtrain.checkpoint._write_npz = failing_write
     elif fault != "none":
         build = ringtrain.training.loop.build_model
-        ringtrain.training.loop.build_model = lambda *a, **kw: Faulty(build(*a, **kw), fault, at)
+        ringtrain.training.loop.build_model = lambda *a, **kw: inject(build(*a, **kw), fault, at)
 
 
 def main(argv):
@@ -102,7 +102,7 @@ def main(argv):
             result = ringtrain.training.loop.train(cfg, comm)
             # One write per line: print() writes the newline separately, and
             # ranks finishing together could interleave their lines.
-            sys.stdout.write(f"rank {comm.Get_rank()} digest {ringtrain.training.loop.params_digest(result.params)}\n")
+            sys.stdout.write(f"rank {comm.Get_rank()} digest {params_digest(result.params)}\n")
             sys.stdout.flush()
     except UsageError as exc:
         print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.comm.collectives import allreduce_
-from ringtrain.models import build_model
+from ringtrain.comm import allreduce_
+from ringtrain.models import build_model, flat_layout
 from ringtrain.optim import build_optimizer
-from ringtrain.training.sharded import ShardedStep, flat_layout
+from ringtrain.training.sharded import ShardedStep
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -22,23 +22,10 @@ OPTIMIZERS = [("sgd", dict(momentum=0.9, weight_decay=0.01, nesterov=True)), ("a
 SHAPES = [(7, (5,), 3), (40, (48, 24), 4)]
 
 
-class Unmovable:
-    """An MLP without ``rebind``: its buffers stay put, and shared memory stages them through slots."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        if name == "rebind":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-def model_and_optimizer(shape, name, settings, movable=True):
+def model_and_optimizer(shape, name, settings):
     features, hidden, classes = shape
     model = build_model("mlp", features, classes, hidden=hidden, seed=1)
-    model = model if movable else Unmovable(model)
-    return model, build_optimizer(name, model.params, lr=0.1, order=flat_layout(model), **settings)
+    return model, build_optimizer(name, model.params, lr=0.1, order=flat_layout(model).order, **settings)
 
 
 def batch(shape, step):
@@ -49,16 +36,16 @@ def batch(shape, step):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm, movable", [("shm", True), ("shm", False), ("ring", True), ("mpi", True)])
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi"])
 @pytest.mark.parametrize("name, settings", OPTIMIZERS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, movable, name, settings, shape):
+def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, name, settings, shape):
     reference, ref_opt = model_and_optimizer(shape, name, settings)
-    model, opt = model_and_optimizer(shape, name, settings, movable)
+    model, opt = model_and_optimizer(shape, name, settings)
     sharded = ShardedStep.create(model, opt, comm, algorithm)
-    # Moved into the window: read in place by the peers (only on shared memory, only if it can move).
-    in_place = sharded.transport.shared_params is not None
-    assert not in_place or np.shares_memory(model.param_buffer, sharded.transport.shared_params[rank])
+    # Moved into the window: read in place by the peers (only on shared memory).
+    arena = getattr(sharded.transport, "arena", None)
+    in_place = arena is not None and np.shares_memory(model.param_buffer, arena.extras[rank])
     metrics = np.zeros(3)
     for step in range(5):
         x, y = batch(shape, step)
@@ -76,7 +63,7 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, mo
     sharded.close()  # moves the buffers back out: the window is gone
     everyone = comm.allgather(model.param_buffer.tobytes())
     assert kind == (algorithm if size > 1 else "local")  # one rank: the same loop, no communication
-    assert in_place == (algorithm == "shm" and movable and size > 1)
+    assert in_place == (algorithm == "shm" and size > 1)
     assert metrics[2] == size
     assert all(e == everyone[0] for e in everyone)
     expected = ref_opt.state_dict()
@@ -119,25 +106,24 @@ def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
 def test_create_declines_where_the_step_cannot_be_sharded():
     model, opt = model_and_optimizer(SHAPES[0], "sgd", {})
     unordered = build_optimizer("sgd", model.params, lr=0.1)  # state in the params' order, not the buffer's
-    big = build_model("mlp", 1024, 10, hidden=(1024,), seed=0)  # 4.2 MB: more than a shared-memory slot
-    big_opt = build_optimizer("sgd", big.params, lr=0.1, order=flat_layout(big))
+    big = build_model("mlp", 1024, 10, hidden=(1024,), seed=0)  # 4.2 MB: past the window's cap for "auto"
+    big_opt = build_optimizer("sgd", big.params, lr=0.1, order=flat_layout(big).order)
 
-    class Loose:
+    class Loose:  # not a FlatModel: no flat buffers to shard
         params = {k: v.copy() for k, v in model.params.items()}
         grads = {k: v.copy() for k, v in model.grads.items()}
 
-    declined = [ShardedStep.create(model, opt, comm, "hierarchical"),
-                ShardedStep.create(model, unordered, comm, "auto"),
+    declined = [ShardedStep.create(model, unordered, comm, "auto"),
                 ShardedStep.create(Loose(), build_optimizer("sgd", Loose.params, lr=0.1), comm, "auto")]
-    big_shm = ShardedStep.create(big, big_opt, comm, "shm")  # too big for a slot (one rank needs none)
-    if big_shm is not None:
-        big_shm.close()
+    hierarchical = ShardedStep.create(model, opt, comm, "hierarchical")  # no reduce-scatter (one rank needs none)
     kinds = []
-    for m, o, algorithm in [(big, big_opt, "auto"), (model, opt, "mpi"), (model, opt, "auto")]:
+    for m, o, algorithm in [(big, big_opt, "auto"), (big, big_opt, "shm"), (model, opt, "mpi"), (model, opt, "auto")]:
         made = ShardedStep.create(m, o, comm, algorithm)
         kinds.append(made.kind)
         made.close()
+    if hierarchical is not None:
+        hierarchical.close()
     assert declined == [None] * len(declined)
-    assert (big_shm is None) == (size > 1)
-    # Too big for a slot: the ring; "mpi" forced; small on one host: shared memory.
-    assert kinds == (["local"] * 3 if size == 1 else ["ring", "mpi", "shm"])
+    assert (hierarchical is None) == (size > 1)
+    # Past the cap: the ring; "shm" forced takes any size; "mpi" forced; small on one host: shared memory.
+    assert kinds == (["local"] * 4 if size == 1 else ["ring", "shm", "mpi", "shm"])

@@ -1,0 +1,126 @@
+"""Small CPU calls between exactly two ranks, prepared once and replayed.
+
+At 2 ranks the latency-bound allreduce is dominated by Python, not by the
+wire. :func:`pair_plan` prepares, once per call shape, a :class:`PairPlan`
+that replays the header-checked exchange of :meth:`ringtrain.comm.state.CommState.exchange`
+with a persistent send and receive. The plans are kept on the communicator's
+:class:`~ringtrain.comm.state.CommState` and freed with it.
+"""
+
+import functools
+
+import numpy as np
+
+from .header import ALGORITHM_CODE, COMBINE, DTYPE_CODE, HEADER_BYTES, NFIELDS, OP_CODE, TAG, raise_mismatch
+from .policy import SMALL_BYTES
+
+__all__ = ["PairPlan", "pair_plan"]
+
+_NO_PLAN = object()
+
+
+class PairPlan:
+    """A small CPU call between exactly two ranks, prepared once and replayed.
+
+    The latency-bound case is dominated by Python, not by the wire: MPI's own
+    ``Allreduce`` of 4 KiB takes about 5 us here, and every microsecond of
+    argument parsing, header packing and view making shows. A plan holds a
+    preallocated message whose header is already written, the received
+    payload's view, the operands in rank order and a persistent send and
+    receive, so a repeated call is a dict lookup, one copy in, one exchange
+    (``Startall``/``Waitall``), a 128-byte comparison of the header heard
+    against our own, and one combine written straight into ``x``. Any
+    strides work: the copy in and the combine's ``out=`` both take them.
+    Measured at 2 ranks, 4 KiB float32 sum: MPI's ``Allreduce`` 4.1 us, a
+    bare mpi4py ``Sendrecv`` of the same message 2.6 us, this path 3.9-4.5 us.
+
+    The check is the same as :meth:`CommState.exchange`'s: the receive
+    buffer has room for any header plus the largest small payload, so a
+    disagreeing peer cannot truncate, overrun or hang the call, and both
+    ranks see the disagreement because each compares the other's header.
+    """
+
+    __slots__ = ("who", "header", "mine", "payload", "operands", "message", "heard", "received", "requests",
+                 "startall", "waitall", "peer", "combine", "predivide", "divide_after", "two", "recv_header",
+                 "send_header")
+
+    def __init__(self, state, who, header, dtype, shape, op):
+        count, nbytes = header[3], header[3] * dtype.itemsize
+        send = np.empty(HEADER_BYTES + nbytes, np.uint8)
+        self.send_header = send[:HEADER_BYTES].view(np.int64)
+        self.send_header[:] = header + tuple(-v for v in header)
+        self.who, self.header = who, header
+        self.mine = send[:HEADER_BYTES].tobytes()
+        self.payload = send[HEADER_BYTES:].view(dtype).reshape(shape)
+        theirs = state.recv[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).reshape(shape)
+        self.peer = 1 - state.rank
+        # The lower rank's operand first, as everywhere else: both ranks compute bitwise the same.
+        self.operands = (self.payload, theirs) if state.rank == 0 else (theirs, self.payload)
+        self.message = [send, state.MPI.BYTE]
+        self.heard = state.heard
+        self.received = state.recv_bytes[:HEADER_BYTES]
+        self.recv_header = state.recv_header
+        # Persistent requests: MPI parses the buffers once, not on every call
+        # (0.4 us of a 4.6 us call here, against a plain Sendrecv). The receive
+        # is posted first and takes the whole receive buffer, as in exchange().
+        comm = state.comm
+        self.requests = [comm.Recv_init(self.heard, self.peer, TAG), comm.Send_init(self.message, self.peer, TAG)]
+        self.startall, self.waitall = state.MPI.Prequest.Startall, state.MPI.Request.Waitall
+        combine = COMBINE[op]
+        if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
+            combine = functools.partial(_combine_out, combine)
+        self.combine = combine
+        # float16 sums overflow easily: divide first, as _reduce_flat does.
+        self.predivide = op == "mean" and dtype == np.float16
+        self.divide_after = op == "mean" and not self.predivide
+        self.two = dtype.type(2)  # the rank count as a scalar of x's dtype: no conversion per call
+        assert count == self.payload.size
+
+    def free(self):
+        """Free the persistent requests (MPICH complains of inactive ones left at MPI_Finalize)."""
+        for request in self.requests:
+            if request:
+                request.Free()
+
+    def run(self, x):
+        """Reduce ``x`` (a NumPy array of the planned dtype and shape) in place; return it."""
+        # Positional out= and slice assignment: each ~0.3 us cheaper than the keyword and np.copyto.
+        payload = self.payload
+        payload[...] = x
+        if self.predivide:
+            np.divide(payload, self.two, payload)
+        requests = self.requests
+        self.startall(requests)
+        self.waitall(requests)
+        # tobytes() then compare: 40 ns; comparing memoryviews goes element by element (400 ns).
+        if self.received.tobytes() != self.mine:
+            lowest = np.minimum(self.send_header, self.recv_header).tolist()
+            raise_mismatch(self.who, self.header, (lowest[:NFIELDS], [-v for v in lowest[NFIELDS:]]), None)
+        a, b = self.operands
+        self.combine(a, b, x)
+        if self.divide_after:
+            np.divide(x, self.two, x)
+        return x
+
+
+def _combine_out(combine, a, b, out):
+    return combine(a, b, out=out)
+
+
+def pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
+    """The :class:`PairPlan` for this call, made on first use; None where the general path must run."""
+    key = (who, x.dtype, x.shape, op, algorithm, narrays, signature)
+    plans = state.plans
+    plan = plans.get(key, _NO_PLAN)
+    if plan is _NO_PLAN:
+        if len(plans) > 256:  # bounded: training loops repeat a few shapes
+            state.drop_plans()
+        dtype = np.dtype(x.dtype)
+        plan = None
+        if (state.size == 2 and type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
+                and op in OP_CODE and dtype in DTYPE_CODE and not (op == "mean" and dtype.kind != "f")):
+            header = (0, narrays, DTYPE_CODE[dtype], x.size, OP_CODE[op], ALGORITHM_CODE[algorithm], 0,
+                      signature)
+            plan = PairPlan(state, who, header, dtype, x.shape, op)
+        plans[key] = plan
+    return plan

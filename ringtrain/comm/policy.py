@@ -1,0 +1,62 @@
+"""The size policy: which transport serves a buffer, with every threshold in one place.
+
+Pure: no MPI. :func:`choose_transport` is the only decision; each threshold
+carries the measurement behind it, so a new measurement changes one line.
+"""
+
+__all__ = ["choose_transport", "ALGORITHMS", "SMALL_BYTES", "WINDOW_BYTES", "RING_BYTES", "SEGMENT_BYTES",
+           "SMALL_VALUES"]
+
+# At or below this many bytes, "auto" is latency-bound and reduces by recursive
+# doubling with the header in the same message (not a transport: see
+# ringtrain.comm.collectives). Measured with `ringtrain bench allreduce` at 2
+# ranks on the 2-core development machine (MPICH 5, shared memory): doubling
+# and the ring cross between 32 and 64 KiB.
+SMALL_BYTES = 64 << 10
+# Up to this many bytes on one host, "auto" reduces through the shared-memory
+# window: one copy less per byte than any message-passing path, 2.1-2.6x MPI's
+# Allreduce for a 2.6 MiB gradient at 2 ranks. Larger buffers go in several
+# rounds, each a barrier, and on a busy host one late rank stalls every
+# barrier (16 MiB ran anywhere from 1.6x to 0.3x MPI's time): the pipelined
+# ring tolerates that far better.
+WINDOW_BYTES = 4 << 20
+# Below this many bytes (and above SMALL_BYTES, off the window), "auto" hands
+# the data to MPI's own collectives; from here up, the ring. At 2 ranks the
+# ring lost to MPI by 15-60% from 128 KiB to 2 MiB, tied at 4-8 MiB, and wins
+# from 16 MiB (by 3x from 32 MiB, where MPI's temporary buffer leaves glibc's
+# heap for fresh mmap'd, page-faulting memory).
+RING_BYTES = 4 << 20
+# Ring pipeline segment. 64 MiB at 2 ranks: 6.0 GB/s unsegmented, 6.8 GB/s at
+# 256 KiB, 7.6 GB/s at 1 MiB segments (about half the 2 MiB L2 cache).
+SEGMENT_BYTES = 1 << 20
+# float64 values Transport.sum_small carries (the sharded step's metrics).
+SMALL_VALUES = 16
+
+# The user's choices (`--allreduce`); "shm" is the shared-memory window.
+ALGORITHMS = ("auto", "ring", "mpi", "hierarchical", "shm")
+
+
+def choose_transport(algorithm, nbytes, one_host, gpu=False):
+    """The transport that serves a buffer of ``nbytes`` under ``algorithm`` (pure).
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        nbytes: the buffer's size.
+        one_host: whether every rank of the communicator shares one host.
+        gpu: whether the buffer is in GPU memory (the window maps host
+            memory only).
+
+    Returns:
+        A name in :data:`ringtrain.comm.transports.TRANSPORTS`, or None where
+        ``algorithm`` cannot apply ("shm" across hosts or on a GPU buffer).
+    """
+    window = one_host and not gpu
+    if algorithm == "auto":
+        if window and nbytes <= WINDOW_BYTES:
+            return "shm"
+        return "mpi" if nbytes < RING_BYTES else "ring"
+    if algorithm == "shm":
+        return "shm" if window else None
+    if algorithm in ("ring", "mpi", "hierarchical"):
+        return algorithm
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")

@@ -1,0 +1,97 @@
+"""Every transport behind the one interface, against MPI's own Allreduce and against itself.
+
+Runs at 1, 2, 3 and 4 ranks. What the sharded step relies on is checked
+here once for every transport: the allreduce is bitwise its own
+reduce-scatter followed by its allgather, the chunk a rank owns after the
+reduce-scatter holds that chunk's reduction, and every rank ends with the
+same bits. Each test finishes its collectives before it asserts.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from references import data, reference, same_everywhere
+
+from ringtrain.comm.transports import create_transport
+from ringtrain.comm.window import HALF_BYTES
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+# Bitwise equal to their two phases; MPI's Allreduce picks its own order.
+TWO_PHASE = ["shm", "ring", "mpi"]
+# A few elements (some ranks own none at 4), one round, and several window rounds ending in a partial one.
+LENGTHS = [3, 100_003, HALF_BYTES // 8 + 12_345]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("name", TWO_PHASE + ["hierarchical"])
+def test_allreduce_matches_mpi_and_is_the_same_everywhere(name, n):
+    dup = comm.Dup()
+    transport = create_transport(name, dup)
+    x, xi = data(n, np.float64, 1), data(n, np.int64, 2)
+    want, want_i = reference(x), reference(xi)
+    transport.allreduce(x)
+    transport.allreduce(xi)
+    transport.close()
+    dup.Free()
+    np.testing.assert_allclose(x, want, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(xi, want_i)
+    assert same_everywhere(x)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("name", TWO_PHASE)
+def test_allreduce_is_its_reduce_scatter_then_its_allgather(name, n):
+    dup = comm.Dup()
+    transport = create_transport(name, dup)
+    fused, phased = data(n, np.float32, 3), data(n, np.float32, 3)
+    transport.allreduce(fused)
+    transport.reduce_scatter(phased)
+    a, b = transport.owned(n)
+    chunk = phased[a:b].copy()
+    transport.allgather(phased)
+    owned = comm.allgather((a, b))
+    transport.close()
+    dup.Free()
+    exact = name != "mpi"  # MPI's Allreduce and its Reduce_scatter may add in different orders
+    compare = np.array_equal if exact else (lambda p, q: np.allclose(p, q, rtol=1e-5, atol=1e-5))
+    assert compare(phased, fused)
+    assert compare(chunk, fused[a:b])
+    # The owned chunks tile the buffer: every element is reduced by exactly one rank.
+    spans = sorted(owned)
+    assert spans[0][0] == 0 and spans[-1][1] == n
+    assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", LENGTHS[:2])
+def test_window_reads_shared_arrays_in_place_with_the_same_bits(n):
+    # The sharded step keeps the model's buffers in the window; the allreduce stages through slots.
+    dup = comm.Dup()
+    transport = create_transport("shm", dup, shared_bytes=8 * n + 64)
+    staged = data(n, np.float64, 4)
+    shared = staged.copy()
+    if size > 1:
+        shared = transport.share(n, np.float64)
+        shared[:] = staged
+    transport.allreduce(staged)
+    transport.reduce_scatter(shared)
+    transport.allgather(shared)
+    result = shared.copy()
+    transport.close()
+    dup.Free()
+    assert np.array_equal(result, staged)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", TWO_PHASE + ["hierarchical"])
+def test_small_sums_back_to_back(name):
+    dup = comm.Dup()
+    transport = create_transport(name, dup)
+    sums = [transport.sum_small(np.array([rank + k, -1.0, 0.5])) for k in range(3)]
+    transport.close()
+    dup.Free()
+    total = size * (size - 1) / 2
+    assert [list(s) for s in sums] == [[total + k * size, -size, 0.5 * size] for k in range(3)]
