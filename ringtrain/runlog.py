@@ -259,7 +259,8 @@ class RunLog:
             size = os.fstat(fd).st_size
             written = os.write(fd, line)
             if written != len(line):
-                raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes; the disk is probably full")
+                # A short write to a regular file: the disk filled part-way through the line.
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as exc:
             if size is not None:
                 try:

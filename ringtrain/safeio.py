@@ -39,6 +39,9 @@ _REASONS = {
     errno.ENXIO: "no such device or address",
     errno.ENODEV: "no such device",
     errno.EIO: "input/output error",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
     errno.EMFILE: "too many open files",
     errno.ENFILE: "too many open files",
 }
