@@ -38,6 +38,7 @@ import zipfile
 import numpy as np
 
 from .errors import UsageError
+from .safeio import open_regular, physical_memory
 
 __all__ = [
     "CheckpointError",
@@ -245,7 +246,29 @@ def save_checkpoint(directory, step, arrays, metadata=None, keep=3):
 
     directory = os.fspath(directory)
     final = os.path.join(directory, checkpoint_name(step))
-    temp = os.path.join(directory, f".{checkpoint_name(step)}.tmp-{os.getpid()}")
+    try:
+        _write_atomically(directory, final, arrays, meta)
+    except OSError as exc:
+        # A full disk with exactly `keep` checkpoints could never take another
+        # if the old ones were pruned only after the new one is written; so
+        # free what this save would prune anyway, if that makes room, and retry.
+        pruned = _make_room(directory, step, keep, arrays, exc)
+        if not pruned:
+            raise CheckpointError(f"could not write checkpoint {final}: {exc.strerror or exc} "
+                                  "(earlier checkpoints are untouched)") from exc
+        try:
+            _write_atomically(directory, final, arrays, meta)
+        except OSError as again:
+            raise CheckpointError(f"could not write checkpoint {final}: {again.strerror or again} (even after "
+                                  f"pruning {pruned} older checkpoint(s) to make room; the newest others are "
+                                  "untouched)") from again
+    _prune(directory, step, keep)
+    return final
+
+
+def _write_atomically(directory, final, arrays, meta):
+    """Write through a temporary file, fsync, rename; on any failure remove the temporary and re-raise."""
+    temp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
         with open(temp, "wb") as f:
@@ -254,20 +277,41 @@ def save_checkpoint(directory, step, arrays, metadata=None, keep=3):
             os.fsync(f.fileno())
         os.replace(temp, final)
         _fsync_directory(directory)
-    except BaseException as exc:
+    except BaseException:
         try:
             os.unlink(temp)
         except OSError:
             pass
-        if isinstance(exc, OSError):
-            reason = exc.strerror or str(exc)
-            raise CheckpointError(
-                f"could not write checkpoint {final}: {reason} "
-                "(earlier checkpoints are untouched)"
-            ) from exc
         raise
-    _prune(directory, step, keep)
-    return final
+
+
+def _make_room(directory, step, keep, arrays, exc):
+    """After ENOSPC: delete the checkpoints this save would prune anyway, if that frees enough.
+
+    Returns how many files were deleted (0: nothing done, because the disk is
+    not what failed, there is nothing to prune, or pruning would not free
+    enough, in which case every old checkpoint is left in place).
+    """
+    if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return 0
+    # What a successful save would leave: this one plus the newest keep - 1 at or below its step.
+    doomed = [] if keep is None else [p for s, p in _steps_and_paths(directory) if s < step][keep - 1:]
+    doomed += _stale_temporaries(directory)
+    if not doomed:
+        return 0
+    # The file is the arrays plus small per-member headers and the metadata.
+    needed = sum(a.nbytes for a in arrays.values()) + 512 * (len(arrays) + 1) + 64 * 1024
+    try:
+        fs = os.statvfs(directory)
+        free = fs.f_bavail * fs.f_frsize
+        freed = sum(os.stat(p).st_size for p in doomed)
+    except OSError:
+        return 0
+    if free >= needed or free + freed < needed:
+        return 0  # space was not the problem, or pruning cannot solve it: keep every checkpoint
+    for path in doomed:
+        _remove_quietly(path)
+    return len(doomed)
 
 
 def _prune(directory, step, keep):
@@ -353,13 +397,13 @@ class _Damaged(Exception):
     """A member that save_checkpoint would never write."""
 
 
-def _read_members(path):
-    """Read every member of an npz; return (arrays in file order, meta bytes)."""
+def _read_members(f):
+    """Read every member of an npz from the open file ``f`` (closed here); return (arrays in file order, meta bytes)."""
     arrays, meta_bytes = {}, None
-    # Open the file here rather than handing np.load a path: when the zip
-    # directory is damaged, np.load's NpzFile fails after taking ownership of
-    # the file it opened, and that file would leak.
-    with open(path, "rb") as f, np.load(f, allow_pickle=False) as npz:
+    # A file object rather than a path for np.load: when the zip directory is
+    # damaged, np.load's NpzFile fails after taking ownership of the file it
+    # opened, and that file would leak.
+    with f, np.load(f, allow_pickle=False) as npz:
         for key in npz.files:
             value = npz[key]
             if not isinstance(value, np.ndarray):
@@ -392,23 +436,25 @@ def read_checkpoint(path):
     def fail(problem):
         return CheckpointError(f"checkpoint {path}: {problem}")
 
+    # A FIFO named like a checkpoint must not block the resume, nor a link
+    # to /dev/zero fill memory; and a checkpoint is read whole, so it must fit.
+    f = open_regular(path, "checkpoint", physical_memory(), "checkpoints", error=CheckpointError)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except FileNotFoundError:
-        raise fail("no such file") from None
-    except IsADirectoryError:
-        raise fail("is a directory, not a checkpoint file") from None
+        size = os.fstat(f.fileno()).st_size
+        magic = f.read(4)
     except OSError as exc:
+        f.close()
         raise fail(f"cannot read it: {exc.strerror or _one_line(exc)}") from None
     if size == 0:
+        f.close()
         raise fail("empty file (0 bytes); the save that wrote it did not finish")
     if magic != b"PK\x03\x04":
+        f.close()
         raise fail("not a ringtrain checkpoint (not an npz/zip file)")
 
     try:
-        arrays, meta_bytes = _read_members(path)
+        f.seek(0)
+        arrays, meta_bytes = _read_members(f)
     except _Damaged as exc:
         raise fail(f"not a ringtrain checkpoint: {exc}") from None
     except ValueError as exc:

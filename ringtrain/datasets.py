@@ -44,6 +44,7 @@ are split the same way, without padding.
 """
 
 import dataclasses
+import gzip
 import importlib.util
 import math
 import os
@@ -54,8 +55,9 @@ import numpy as np
 from .sharding import check_batch_size, complement_positions, shard_bounds
 from .errors import MismatchError, UsageError
 from .failure import agree
+from .safeio import MiB, human_bytes, one_line, open_regular, physical_memory
 
-__all__ = ["DATASETS", "Shard", "load_sharded", "synthetic_rows"]
+__all__ = ["DATASETS", "MAX_CLASSES", "Shard", "load_sharded", "synthetic_rows"]
 
 DATASETS = ("digits", "mnist5k", "synthetic")
 """The built-in dataset names; anything else is read as a path."""
@@ -64,6 +66,13 @@ _HOLDOUT_STREAM = 1  # seed sequence [seed, 1]: the held-out rows
 _CENTRES_STREAM = 2  # [seed, 2]: synthetic class centres
 _ROWS_STREAM = 3  # [seed, 3, block]: synthetic rows
 _MNIST_ORDER_SEED = 5000  # the fixed order of mnist5k's label-sorted rows
+
+MAX_CLASSES = 100_000
+"""The most classes a dataset may have. With inferred classes, a label of 10**9
+would otherwise build an output layer of 10**9 units; no real label set
+comes near this."""
+_WHY_CLASSES = "the model's output layer has one unit per class"
+_CSV_MAX_BYTES = 256 * MiB  # the bundled digits and mnist5k files are a few MiB
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,6 +185,7 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
     test_bounds = shard_bounds(source.test.count, size, rank)
     problem, arrays = None, None
     try:
+        _check_memory(source, train_bounds, test_bounds, rank)
         arrays = (_read_checked(source, source.train, train_bounds),
                   _read_checked(source, source.test, test_bounds))
     except UsageError as exc:
@@ -215,6 +225,20 @@ def _check_same_data(comm, source, name):
                                 f"{what[i]}, rank {rank} has {theirs[i]}; every rank must read the same data")
 
 
+def _check_memory(source, train_bounds, test_bounds, rank):
+    """Refuse, before reading a row, a shard that cannot fit in this machine's memory."""
+    memory = physical_memory()
+    if memory is None:
+        return
+    rows = (train_bounds[1] - train_bounds[0]) + (test_bounds[1] - test_bounds[0])
+    need = rows * (source.num_features * 4 + 8)  # float32 features, int64 label
+    if source.label == "synthetic":  # the class centres, float64, made on every rank
+        need += (source.num_classes or 0) * source.num_features * 8
+    if need > memory:
+        raise UsageError(f"{source.label}: rank {rank}'s shard would take {human_bytes(need)} of memory and this "
+                         f"machine has {human_bytes(memory)}; use more ranks or a smaller dataset")
+
+
 def _read_checked(source, part, bounds):
     """Read one rank's rows of a part and check them; UsageError on bad input."""
     try:
@@ -233,6 +257,10 @@ def _read_checked(source, part, bounds):
         if not whole.all():
             i = (~whole).argmax()
             raise UsageError(where + f"{part.yname} must hold integer class labels, got {y[i]!r} in row {rows[i]}")
+    if y.dtype.kind == "f" and y.size and not (np.abs(y) < 2.0 ** 62).all():
+        i = (~(np.abs(y) < 2.0 ** 62)).argmax()
+        raise UsageError(where + f"{part.yname} has label {y[i]:g} in row {rows[i]}; ringtrain supports at most "
+                         f"{MAX_CLASSES:,} classes ({_WHY_CLASSES})")
     y = y.astype(np.int64)
     limit = source.num_classes
     outside = (y < 0) if limit is None else ((y < 0) | (y >= limit))
@@ -240,12 +268,16 @@ def _read_checked(source, part, bounds):
         i = outside.argmax()
         bound = "classes" if limit is None else limit
         raise UsageError(where + f"{part.yname} has label {y[i]} in row {rows[i]}, outside [0, {bound})")
+    if limit is None and y.size and y.max() >= MAX_CLASSES:
+        i = int(y.argmax())
+        raise UsageError(where + f"{part.yname} has label {y[i]:,} in row {rows[i]}; ringtrain supports at most "
+                         f"{MAX_CLASSES:,} classes, labels 0 to {MAX_CLASSES - 1:,} ({_WHY_CLASSES})")
     return x, y
 
 
 def _one_line(exc):
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return one_line(text[0]) if text else type(exc).__name__
 
 
 def _open(name, *, seed, test_fraction, num_classes, samples, features, classes, separation):
@@ -265,9 +297,13 @@ def _open(name, *, seed, test_fraction, num_classes, samples, features, classes,
         return _synthetic(seed, test_fraction, samples, features, classes, separation)
     if num_classes is not None and num_classes < 2:
         raise UsageError(f"number of classes must be at least 2, got {num_classes}")
+    if num_classes is not None and num_classes > MAX_CLASSES:
+        raise UsageError(f"number of classes {num_classes:,} is too large; ringtrain supports at most "
+                         f"{MAX_CLASSES:,} ({_WHY_CLASSES})")
     if os.path.isdir(name):
         return _npy_dir(name, seed, test_fraction, num_classes)
-    if os.path.exists(name) or name.endswith(".npz"):
+    # lexists: a dangling link or a link loop is reported by _npz as what it is.
+    if os.path.lexists(name) or name.endswith(".npz"):
         return _npz(name, seed, test_fraction, num_classes)
     if os.sep in name or (os.altsep and os.altsep in name):
         raise UsageError(f"{name}: no such file or directory (expected a .npz file or a directory of .npy files)")
@@ -285,8 +321,10 @@ def _package_file(package, *parts):
 
 def _read_csv(path, what):
     try:
-        # Both files hold small whole numbers; parsing them as uint8 is about 3x faster.
-        return np.loadtxt(path, delimiter=",", dtype=np.uint8, ndmin=2)
+        with open_regular(path, None, _CSV_MAX_BYTES, "bundled csv files") as raw:
+            fh = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            # Both files hold small whole numbers; parsing them as uint8 is about 3x faster.
+            return np.loadtxt(fh, delimiter=",", dtype=np.uint8, ndmin=2)
     except (OSError, ValueError, EOFError) as exc:
         raise UsageError(f"{path}: cannot read {what}: {_one_line(exc)}") from None
 
@@ -316,40 +354,85 @@ def _mnist5k():
 
 
 def _npz(path, seed, test_fraction, num_classes):
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file")
-    if not zipfile.is_zipfile(path):
-        raise UsageError(f"{path}: not a .npz file (expected a NumPy zip archive with arrays x and y)")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            names = set(archive.files)
-            for needed in ("x", "y"):
-                if needed not in names:
-                    raise UsageError(f"{path}: no array {needed!r} (found {', '.join(sorted(names)) or 'none'}; "
-                                     f"expected x and y, optionally x_test and y_test)")
-            arrays = {key: archive[key] for key in ("x", "y", "x_test", "y_test") if key in names}
-    except UsageError:
-        raise
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
-        raise UsageError(f"{path}: cannot read: {_one_line(exc)}") from None
+    # Not a path to np.load: a FIFO would block it, /dev/zero would be read forever.
+    with open_regular(path) as fh:
+        if not zipfile.is_zipfile(fh):
+            raise UsageError(f"{path}: not a .npz file (expected a NumPy zip archive with arrays x and y)")
+        fh.seek(0)
+        try:
+            with np.load(fh, allow_pickle=False) as archive:
+                names = set(archive.files)
+                for needed in ("x", "y"):
+                    if needed not in names:
+                        raise UsageError(f"{path}: no array {needed!r} (found {', '.join(sorted(names)) or 'none'}; "
+                                         f"expected x and y, optionally x_test and y_test)")
+                wanted = [key for key in ("x", "y", "x_test", "y_test") if key in names]
+                _check_npz_members(path, archive.zip, wanted)
+                arrays = {key: archive[key] for key in wanted}
+        except UsageError:
+            raise
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+            raise UsageError(f"{path}: cannot read: {_one_line(exc)}") from None
     return _from_arrays(path, arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
                         seed, test_fraction, num_classes, names=("x", "y"))
+
+
+def _check_npz_members(path, zf, keys):
+    """Each wanted member must be a ``.npy`` array whose arrays fit in memory, checked from the headers alone.
+
+    Every rank reads a ``.npz`` whole, and a compressed member can expand
+    far beyond the file's size, so the headers are checked before any data.
+    """
+    total = 0
+    for key in keys:
+        if key + ".npy" not in zf.namelist():
+            raise UsageError(f"{path}: member {key!r} is not a .npy array (expected arrays saved with np.savez)")
+        with zf.open(key + ".npy") as member:
+            shape, _, dtype = _npy_header(member)
+        total += math.prod(shape) * dtype.itemsize
+    memory = physical_memory()
+    if memory is not None and total > memory:
+        raise UsageError(f"{path}: its arrays take {human_bytes(total)} once read and every rank reads a .npz "
+                         f"whole, but this machine has {human_bytes(memory)} of memory; save x.npy and y.npy in "
+                         "a directory instead (each rank then maps only its own rows)")
+
+
+def _npy_header(fh):
+    """``(shape, fortran_order, dtype)`` from a .npy header; ValueError if it is not one."""
+    version = np.lib.format.read_magic(fh)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    shape, fortran, dtype = readers[version](fh)
+    if dtype.hasobject:
+        raise ValueError("holds pickled objects, which are never loaded (allow_pickle=False)")
+    return shape, fortran, dtype
+
+
+def _map_npy(file):
+    """Memory-map a .npy file that :func:`open_regular` accepts (np.load(mmap_mode) would open a FIFO)."""
+    with open_regular(file) as fh:
+        try:
+            shape, fortran, dtype = _npy_header(fh)
+            if math.prod(shape) == 0:
+                return np.empty(shape, dtype, order="F" if fortran else "C")
+            # Memory-mapped: a rank touches only the pages of its own rows.
+            return np.memmap(fh, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C",
+                             offset=fh.tell())
+        except (OSError, ValueError, EOFError) as exc:
+            raise UsageError(f"{file}: cannot read: {_one_line(exc)}") from None
 
 
 def _npy_dir(path, seed, test_fraction, num_classes):
     arrays = {}
     for key in ("x", "y", "x_test", "y_test"):
         file = os.path.join(path, key + ".npy")
-        if not os.path.exists(file):
+        if not os.path.lexists(file):
             if key in ("x", "y"):
                 raise UsageError(f"{path}: no {key}.npy (a data directory holds x.npy and y.npy, "
                                  f"optionally x_test.npy and y_test.npy)")
             continue
-        try:
-            # Memory-mapped: a rank touches only the pages of its own rows.
-            arrays[key] = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
-            raise UsageError(f"{file}: cannot read: {_one_line(exc)}") from None
+        arrays[key] = _map_npy(file)
     return _from_arrays(path, arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
                         seed, test_fraction, num_classes, names=("x.npy", "y.npy"))
 

@@ -380,6 +380,11 @@ def register_model(name, builder):
     MODELS[name] = builder
 
 
+MAX_PARAMETERS = 1 << 31
+"""The most parameters :func:`build_model` builds: 8 GiB of float32 weights,
+about 32 GiB with gradients and Adam's two moments, on every rank."""
+
+
 def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype=np.float32):
     """Build a registered model with parameters drawn from ``numpy.random.default_rng(seed)``.
 
@@ -387,7 +392,9 @@ def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype
     parameters, on the CPU or the GPU.
 
     Raises:
-        ValueError: for an unknown name, a bad size or an unsupported dtype.
+        ValueError: for an unknown name, a bad size, a model of more than
+            :data:`MAX_PARAMETERS` parameters (checked before anything is
+            allocated) or an unsupported dtype.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
@@ -398,4 +405,13 @@ def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dtype.name}")
-    return MODELS[name](num_features, num_classes, tuple(hidden), xp, seed, dtype)
+    hidden = tuple(hidden)
+    if name in ("mlp", "softmax"):  # a registered model's size is its builder's business
+        widths = (num_features, *(_size("hidden layer size", h, 1) for h in hidden), num_classes)
+        count = sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+        if count > MAX_PARAMETERS:
+            raise ValueError(f"model {name!r} with layers {'-'.join(map(str, widths))} would have {count:,} "
+                             f"parameters ({count * dtype.itemsize / 2**30:,.0f} GiB of {dtype.name} weights, "
+                             f"about 4x that with gradients and optimizer state); ringtrain builds models of at "
+                             f"most 2^31 ({MAX_PARAMETERS:,}) parameters")
+    return MODELS[name](num_features, num_classes, hidden, xp, seed, dtype)

@@ -20,6 +20,9 @@ from ..errors import UsageError
 HELP = "benchmark the ring allreduce against MPI's Allreduce (nccl-tests style)"
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# 2^31 - 1 float32 elements is the largest count every MPI's Allreduce takes
+# (MPI-4's large counts are not everywhere yet); 8G is twice nccl-tests' usual top.
+MAX_BYTES = 4 * ((1 << 31) - 1)
 
 
 def parse_bytes(text):
@@ -98,6 +101,9 @@ def run(args):
         raise UsageError("--iters must be at least 1 and --warmup at least 0", everywhere=True)
     if args.min_bytes > args.max_bytes:
         raise UsageError(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}", everywhere=True)
+    if args.max_bytes > MAX_BYTES:
+        raise UsageError(f"--max-bytes {args.max_bytes:,} is too large; ringtrain bench goes up to {MAX_BYTES:,} "
+                         "bytes (2^31 - 1 float32 elements, the largest count every MPI accepts)", everywhere=True)
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
     factor = 2 * (size - 1) / size if size > 1 else 1.0

@@ -23,8 +23,10 @@ Example::
 import json
 import os
 import statistics
+import sys
 
 from ..errors import UsageError
+from ..safeio import GiB, MiB, one_line, read_regular
 
 __all__ = ["read_metrics", "draw", "read_trace", "timeline_window", "draw_timeline"]
 
@@ -32,6 +34,13 @@ HELP = "draw a run's loss, accuracy and throughput curves (and its timeline) to 
 
 FILENAME = "metrics.png"
 TIMELINE_FILENAME = "timeline.png"
+METRICS_MAX_BYTES = 4 * GiB  # a month-long run logging every step writes well under 1 GiB
+TRACE_MAX_BYTES = 4 * GiB
+CONFIG_MAX_BYTES = 16 * MiB
+
+
+def _warn(line):
+    print(f"ringtrain: warning: {one_line(line)}", file=sys.stderr, flush=True)
 
 
 def add_arguments(parser):
@@ -47,22 +56,26 @@ def add_arguments(parser):
                              "as the run allows)")
 
 
-def read_metrics(run_dir):
+def read_metrics(run_dir, warn=_warn):
     """Return ``{"train": [...], "eval": [...]}``: the events of ``run_dir``, by step, one per step.
 
-    A truncated last line (a run killed mid-write) is skipped; any other line
-    that is not a JSON object is a UsageError naming the line.
+    A torn last line (a run killed mid-write, or still writing) is skipped
+    with a one-line ``warn``; any other line that is not a JSON object is a
+    UsageError naming the line. A FIFO, a device or a file that is not UTF-8
+    text is a UsageError too, never a hang or a traceback.
     """
     if not os.path.isdir(run_dir):
         raise UsageError(f"{run_dir}: no such run directory")
     path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.lexists(path):
+        raise UsageError(f"{run_dir}: no metrics.jsonl there; give the run directory of 'ringtrain train'")
+    raw = read_regular(path, None, METRICS_MAX_BYTES, "metrics files")
     try:
-        with open(path) as fh:
-            lines = fh.read().splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"{run_dir}: no metrics.jsonl there; give the run directory of 'ringtrain train'") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read it ({exc.strerror})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                         "give the run directory of 'ringtrain train'") from None
+    lines = text.splitlines()
     latest = {"train": {}, "eval": {}}
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -73,6 +86,8 @@ def read_metrics(run_dir):
                 raise ValueError
         except ValueError:
             if number == len(lines):
+                warn(f"{path} line {number}: skipping a torn last line (the run was killed mid-write, "
+                     "or is still writing it)")
                 continue
             raise UsageError(f"{path} line {number}: not a JSON object: {line[:60]!r}") from None
         kind = record.get("event")
@@ -83,9 +98,10 @@ def read_metrics(run_dir):
 
 def _title(run_dir):
     try:
-        with open(os.path.join(run_dir, "config.json")) as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError):
+        cfg = json.loads(read_regular(os.path.join(run_dir, "config.json"), None, CONFIG_MAX_BYTES))
+        if not isinstance(cfg, dict):
+            raise ValueError
+    except (UsageError, ValueError):  # the title is a nicety: a bad config.json only loses it
         return os.path.basename(os.path.normpath(run_dir))
     model = cfg.get("model", "?")
     if model == "mlp" and cfg.get("hidden"):
@@ -151,13 +167,8 @@ def draw(metrics, path, title=""):
 def read_trace(path):
     """The complete spans (``"ph": "X"``, with a step) of a ``--timeline`` file; UsageError if it is not one."""
     try:
-        with open(path) as fh:
-            trace = json.load(fh)
-    except FileNotFoundError:
-        raise UsageError(f"--timeline {path}: no such file") from None
-    except OSError as exc:
-        raise UsageError(f"--timeline {path}: cannot read it ({exc.strerror})") from None
-    except ValueError:
+        trace = json.loads(read_regular(path, "--timeline", TRACE_MAX_BYTES, "timeline files"))
+    except ValueError:  # UnicodeDecodeError included
         raise UsageError(f"--timeline {path}: not JSON; give a file written by 'ringtrain train --timeline'") from None
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list):

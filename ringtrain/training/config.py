@@ -13,9 +13,23 @@ import os
 from ..comm.policy import ALGORITHMS
 from ..errors import UsageError
 from ..models import MODELS
+from ..safeio import MiB, TiB, human_bytes, one_line, read_regular
 
-__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "FIELDS", "type_name",
+__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "FIELDS", "LIMITS", "type_name",
            "flag_name", "parse_ints", "to_json"]
+
+# Bounds a real run stays far inside, checked before anything is allocated so
+# that a typo (an extra zero, 1e10 for 1e1) is one line, not an out-of-memory
+# kill after the run directory was written. Each is (largest value, why).
+LIMITS = {
+    "hidden": (1 << 20, "a wider layer of an MLP would not fit in memory with its neighbours"),
+    "features": (1 << 20, "one float32 row would be over 4 MiB"),
+    "samples": (1 << 31, "2^31 rows; the shard and batch arithmetic keeps row numbers within 32-bit counts"),
+    "classes": (100_000, "the output layer has one unit (and a weight per hidden unit) per class"),
+    "bucket_mb": (1 << 20, "1 TiB; a bucket larger than the model is one bucket anyway"),
+}
+CONFIG_MAX_BYTES = 1 * MiB  # a configuration is a few hundred bytes; anything near this is not one
+SYNTHETIC_MAX_BYTES = 1 * TiB  # samples x features x 4 bytes, over all ranks together
 
 
 def _f(default, help, **kw):
@@ -145,30 +159,25 @@ def load_config_file(path):
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".toml", ".yaml", ".yml"):
         raise UsageError(f"--config {path}: expected a .toml, .yaml or .yml file", everywhere=True)
+    # A FIFO, a device or a directory is refused without blocking; so is a huge file.
+    raw = read_regular(path, "--config", CONFIG_MAX_BYTES, "config files", error=_everywhere)
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except FileNotFoundError:
-        raise UsageError(f"--config {path}: no such file", everywhere=True) from None
-    except OSError as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})", everywhere=True) from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+                         everywhere=True) from None
     try:
         if ext == ".toml":
             import tomllib
 
-            data = tomllib.loads(raw.decode("utf-8"))
+            data = tomllib.loads(text)
         else:
-            try:
-                import yaml
-            except ImportError:
-                raise UsageError(f"--config {path}: YAML needs PyYAML; pip install pyyaml, or use TOML",
-                                 everywhere=True) from None
-            data = yaml.safe_load(raw.decode("utf-8"))
+            data = _load_yaml(text, path)
     except UsageError:
         raise
-    except Exception as exc:  # noqa: BLE001 - every parser error becomes one line
-        detail = " ".join(str(exc).split())
-        raise UsageError(f"--config {path}: not valid {ext.lstrip('.').upper()}: {detail}", everywhere=True) from None
+    except Exception as exc:  # noqa: BLE001 - every parser error (RecursionError included) becomes one line
+        raise UsageError(one_line(f"--config {path}: not valid {ext.lstrip('.').upper()}: {exc}"),
+                         everywhere=True) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -181,6 +190,33 @@ def load_config_file(path):
         name = str(key).replace("-", "_")
         out[name] = coerce(name, value, f"--config {path}")
     return out
+
+
+def _everywhere(message):
+    # Every rank reads the same file the same way, so every rank raises this.
+    return UsageError(message, everywhere=True)
+
+
+def _load_yaml(text, path):
+    """``yaml.safe_load`` without anchors and aliases.
+
+    Nested aliases expand exponentially ("billion laughs": a 370-byte file
+    runs for minutes), and a settings file has no need of them.
+    """
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"--config {path}: YAML needs PyYAML; pip install pyyaml, or use TOML",
+                         everywhere=True) from None
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None) is not None:
+                raise UsageError(f"--config {path}: YAML aliases (*name) and anchors (&name) are not supported; "
+                                 "write the values out", everywhere=True)
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def resolve(flags, file_settings=None):
@@ -229,6 +265,7 @@ def validate(cfg):
         bad("hidden", "the mlp needs at least one hidden layer, e.g. --hidden 128")
     if any(h <= 0 for h in cfg.hidden):
         bad("hidden", f"layer sizes must be > 0, got {','.join(map(str, cfg.hidden))}")
+    _check_sizes(cfg, bad)
     for name in ("optimizer", "device", "nonfinite", "allreduce"):
         choices = FIELDS[name].metadata["choices"]
         if getattr(cfg, name) not in choices:
@@ -238,6 +275,22 @@ def validate(cfg):
     if cfg.run_dir is not None and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
         bad("run_dir", f"{cfg.run_dir!r} exists and is not a directory")
     return cfg
+
+
+def _check_sizes(cfg, bad):
+    """Refuse sizes far beyond any real run, saying the limit and why (see LIMITS)."""
+    for name in ("hidden", "features", "samples", "classes", "bucket_mb"):
+        values = getattr(cfg, name)
+        limit, why = LIMITS[name]
+        for value in values if isinstance(values, tuple) else (values,):
+            if value > limit:
+                shown = f"{value:g}" if isinstance(value, float) else f"{value:,}"
+                bad(name, f"{shown} is too large; ringtrain allows at most {limit:,} ({why})")
+    if cfg.dataset == "synthetic":
+        nbytes = cfg.samples * cfg.features * 4
+        if nbytes > SYNTHETIC_MAX_BYTES:
+            bad("samples", f"{cfg.samples:,} rows of {cfg.features:,} features would be {human_bytes(nbytes)} "
+                f"of float32; ringtrain generates synthetic datasets of at most {human_bytes(SYNTHETIC_MAX_BYTES)}")
 
 
 def to_json(cfg):

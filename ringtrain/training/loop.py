@@ -106,6 +106,7 @@ def _start(cfg, comm, spec, model, stream, threads):
                           order=layout.order if layout is not None else None)
     run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
     log = RunLog(run_dir, spec.is_master, stream=stream)
+    agree(comm, log.claim())  # a directory another live job holds: refused before it is read or written
     if threads is not None:
         log.print(f"ringtrain: {threads} BLAS thread(s) per rank ({spec.local_size} rank(s) on this host; "
                   "set OMP_NUM_THREADS to choose)")
@@ -115,6 +116,8 @@ def _start(cfg, comm, spec, model, stream, threads):
         log.open(to_json(dataclasses.replace(cfg, run_dir=run_dir)))
     except OSError as exc:  # only rank 0 writes, so the others must hear of it before the first step
         problem = f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc})"
+    except UsageError as exc:  # another job took the directory after claim()
+        problem = str(exc)
     agree(comm, problem)
     return _Run(cfg, comm, spec, data, plan, model, opt, lr, log, xp, position)
 

@@ -152,8 +152,8 @@ def test_directory_of_npy_is_memory_mapped(tmp_path, monkeypatch):
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
     modes = []
-    real = np.load
-    monkeypatch.setattr(np, "load", lambda *a, **k: modes.append(k.get("mmap_mode")) or real(*a, **k))
+    real = np.memmap
+    monkeypatch.setattr(np, "memmap", lambda *a, **k: modes.append(k.get("mode")) or real(*a, **k))
     shard = load_sharded(str(tmp_path), SELF, test_fraction=0.0, num_classes=5)
     assert modes == ["r", "r"]
     assert np.array_equal(shard.x, x.astype(np.float32)) and shard.num_classes == 5
