@@ -58,10 +58,9 @@ def _rank0():
     # Without importing MPI: argument errors may happen before MPI is needed.
     import os
 
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return os.environ[var] == "0"
-    return True
+    from .launch import rank_from_env
+
+    return rank_from_env(os.environ) in (None, 0)
 
 
 def main(argv=None):

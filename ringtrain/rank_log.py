@@ -3,39 +3,45 @@
 ``ringtrain launch -o LOGDIR`` puts this in front of the user's command on
 every rank::
 
-    python -m ringtrain.rank_log LOGDIR -- COMMAND...
+    python -m ringtrain.rank_log [--restart N] LOGDIR -- COMMAND...
 
 The rank comes from the variable the MPI launcher sets; the file is opened,
 made the process's stdout and stderr, and the command replaces this process
-(``exec``), so its exit status and signals reach mpirun unchanged.
+(``exec``), so its exit status and signals reach mpirun unchanged. With
+``--restart N`` (the launcher's N-th restart of the job) the log is appended
+to after a marker line, so the failed run's output is kept.
 """
 
 import os
 import sys
 
+from .launch import RANK_VARIABLES, RESTART_MARK, rank_from_env
+
 __all__ = ["rank_from_env", "main"]
 
-# Set by MPICH's Hydra, Open MPI, PMIx launchers and Slurm's srun respectively.
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+USAGE = "usage: python -m ringtrain.rank_log [--restart N] LOGDIR -- COMMAND..."
 
 
-def rank_from_env(env):
-    """This process's rank from the launcher's variables, or None (pure)."""
-    for name in RANK_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
+def _parse(argv):
+    """``(restart, logdir, command)`` from the arguments, or None when they are wrong (pure)."""
+    restart = 0
+    if argv[:1] == ["--restart"]:
+        if len(argv) < 2 or not argv[1].isdigit():
+            return None
+        restart, argv = int(argv[1]), argv[2:]
+    if len(argv) >= 2 and argv[1] == "--":
+        argv = argv[:1] + argv[2:]
+    if len(argv) < 2:
+        return None
+    return restart, argv[0], argv[1:]
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and argv[1] == "--":
-        del argv[1]
-    if len(argv) < 2:
-        print("usage: python -m ringtrain.rank_log LOGDIR -- COMMAND...", file=sys.stderr)
+    parsed = _parse(list(sys.argv[1:] if argv is None else argv))
+    if parsed is None:
+        print(USAGE, file=sys.stderr)
         return 2
-    logdir, command = argv[0], argv[1:]
+    restart, logdir, command = parsed
     rank = rank_from_env(os.environ)
     if rank is None:
         print("ringtrain.rank_log: no rank in the environment (" + ", ".join(RANK_VARIABLES)
@@ -45,7 +51,11 @@ def main(argv=None):
     # launcher's mkdir only happened on the first host.
     os.makedirs(logdir, exist_ok=True)
     path = os.path.join(logdir, f"rank-{rank}.log")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # A restart appends: the output of the run that failed is the evidence.
+    mode = os.O_APPEND if restart else os.O_TRUNC
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o644)
+    if restart:
+        os.write(fd, f"{RESTART_MARK}{restart}\n".encode())
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

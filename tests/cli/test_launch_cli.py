@@ -1,5 +1,6 @@
 """``ringtrain launch`` as a user runs it: real mpirun on this host."""
 
+import os
 import sys
 
 from mpirun import ringtrain, run, show
@@ -69,3 +70,25 @@ def test_dry_run_prints_the_command_and_runs_nothing(tmp_path):
     assert result.returncode == 0, show(result)
     assert result.stdout.endswith(f" -np 2 touch {marker}\n") and "h1:1,h2:1" in result.stdout
     assert not marker.exists()
+
+
+def test_bad_inputs_are_one_line_exit_2_never_a_traceback_or_a_hang(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [
+        (["-np", "99999999999999"], "-np 99999999999999 is above ringtrain launch's limit"),
+        (["-np", str(64 * os.cpu_count() + 1)], f"-np {64 * os.cpu_count() + 1} is more than "),
+        (["-np", "0"], "number of processes must be at least 1, got 0"),
+        (["-np", "2", "-o", str(afile / "logs")], f"-o {afile}/logs: {afile} is not a directory"),
+        (["-np", "2", "-o", "/proc/no/logs"], "-o /proc/no/logs: cannot "),
+        (["-np", "2", "--hostfile", str(fifo)], f"cannot read hostfile '{fifo}': it is a FIFO (named pipe)"),
+        (["-np", "2", "--hostfile", str(tmp_path)], f"cannot read hostfile '{tmp_path}': it is a directory"),
+        (["-np", "2", "--hostfile", "/dev/zero"], "cannot read hostfile '/dev/zero': it is a character device"),
+    ]
+    for args, message in cases:
+        result = run(ringtrain("launch", *args, "--", "true"), timeout=30)
+        assert result.returncode == 2, show(result)
+        assert result.stderr.startswith(f"ringtrain: error: {message}"), show(result)
+        assert len(result.stderr.splitlines()) == 1 and result.stdout == "", show(result)

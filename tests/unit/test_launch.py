@@ -1,6 +1,7 @@
 """The launcher's pure parts: hostfiles in both syntaxes, -H lists, slots, command lines."""
 
 import io
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -264,3 +265,155 @@ def test_comments_and_blank_lines_change_nothing(hosts, flavour, data):
         lines += data.draw(st.lists(st.sampled_from(["", "   ", "# note", "\t# x: slots=0"]), max_size=2))
         lines.append(line + data.draw(st.sampled_from(["", "  ", " # trailing"])))
     assert parse_hostfile("\n".join(lines)) == hosts
+
+
+# --- one list of rank variables ---------------------------------------------------
+
+def test_one_list_of_rank_variables_serves_the_cli_and_the_log_wrapper(monkeypatch):
+    import ringtrain.cli
+    import ringtrain.rank_log
+    assert L.RANK_VARIABLES == ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+    assert ringtrain.rank_log.rank_from_env is L.rank_from_env
+    assert L.rank_from_env({"SLURM_PROCID": "5"}) == 5
+    assert L.rank_from_env({"PMI_RANK": "x", "PMIX_RANK": "1"}) == 1
+    for name in L.RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert ringtrain.cli._rank0()
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert not ringtrain.cli._rank0()
+
+
+def test_an_sbatch_script_may_run_the_launcher_but_mpirun_may_not():
+    L.check_request(2, ["p"], env={"SLURM_PROCID": "0"})
+    with pytest.raises(UsageError, match="starts mpirun itself"):
+        L.check_request(2, ["p"], env={"PMIX_RANK": "0"})
+
+
+# --- bounds on -np ----------------------------------------------------------------
+
+def test_np_is_bounded_on_one_host_and_oversubscribe_lifts_the_bound():
+    assert L.np_limit(2) == 128 and L.np_limit(None) == 64
+    L.check_np(128, cpu_count=2)
+    with pytest.raises(UsageError, match=r"^-np 129 is more than 128 ranks \(64 per core on this host's 2 cores\)"
+                                         r".*--oversubscribe to run them here anyway$"):
+        L.check_np(129, cpu_count=2)
+    L.check_np(1000, cpu_count=2, oversubscribe=True)
+
+
+@pytest.mark.parametrize("np", [L.MAX_NP + 1, 99999999999999])
+def test_no_flag_lifts_the_ceiling(np):
+    with pytest.raises(UsageError, match=f"^-np {np} is above ringtrain launch's limit of {L.MAX_NP} ranks"):
+        L.check_np(np, [Host("a", np)], oversubscribe=True)
+
+
+def test_np_below_one_and_above_the_slots_are_refused():
+    with pytest.raises(UsageError, match="^number of processes must be at least 1, got -3$"):
+        L.check_np(-3)
+    with pytest.raises(UsageError, match="^-np 3 needs 3 slots"):
+        L.check_np(3, [Host("a", 2)], cpu_count=64)
+    L.check_np(3, [Host("a", 2)], oversubscribe=True)
+
+
+def test_openmpi_oversubscribes_hosts_only_when_asked():
+    args, _ = launch_command(4, ["p"], mpirun=MPIRUN, flavour="openmpi", hosts=[Host("a", 2)], oversubscribe=True)
+    assert args == [MPIRUN, "--host", "a:2", "--bind-to", "none", "--oversubscribe", "-np", "4", "p"]
+
+
+# --- bad files --------------------------------------------------------------------
+
+def test_a_hostfile_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo"
+    L.os.mkfifo(fifo)
+    with pytest.raises(UsageError, match=r"^cannot read hostfile '.*fifo': it is a FIFO \(named pipe\); "):
+        L.read_hostfile(str(fifo))
+
+
+@pytest.mark.parametrize("path, kind", [("DIR", "a directory"), ("/dev/null", "a character device")])
+def test_a_hostfile_that_is_a_directory_or_a_device_is_named(tmp_path, path, kind):
+    path = str(tmp_path) if path == "DIR" else path
+    with pytest.raises(UsageError, match=f"^cannot read hostfile '{path}': it is {kind}; "):
+        L.read_hostfile(path)
+
+
+def test_a_huge_hostfile_is_refused(tmp_path):
+    big = tmp_path / "big"
+    big.write_text("node1:1\n" * (L.MAX_HOSTFILE_BYTES // 8 + 1))
+    with pytest.raises(UsageError, match="is more than a hostfile's limit of 1,048,576"):
+        L.read_hostfile(str(big))
+
+
+def test_a_log_directory_that_cannot_be_made_is_refused_first(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(UsageError, match=f"^-o {afile}/logs: {afile} is not a directory; choose another"):
+        L.check_logdir(str(afile / "logs"))
+    with pytest.raises(UsageError, match="exists and is not a directory"):
+        L.check_logdir(str(afile))
+    L.check_logdir(str(tmp_path / "new" / "logs"))
+
+
+# --- restarts and failure reports ---------------------------------------------------
+
+@pytest.mark.parametrize("status, done, stopped, expected", [
+    (1, 0, False, True), (137, 2, False, True), (1, 3, False, False), (0, 0, False, False),
+    (2, 0, False, False), (127, 0, False, False), (126, 0, False, False), (143, 0, True, False),
+])
+def test_which_failures_are_restarted(status, done, stopped, expected):
+    assert L.should_restart(status, done, 3, stopped) is expected
+
+
+def test_the_restart_line():
+    assert L.restart_line(1, 1, 3, 3.0, rank=1) == \
+        "ringtrain launch: job exited with status 1 (rank 1 failed); restart 1 of 3 in 3s"
+    assert L.restart_line(9, 2, 2, 0.5) == "ringtrain launch: job exited with status 9; restart 2 of 2 in 0.5s"
+
+
+def test_restarted_logs_are_read_from_the_last_mark():
+    text = "old\nTraceback\nringtrain launch: restart 1\nnew 1\nringtrain launch: restart 2\nnew 2\n"
+    assert L.last_run(text) == "new 2\n"
+    assert L.last_run("plain\n") == "plain\n"
+    assert L.last_run("x\nringtrain launch: restart 3") == ""
+
+
+def test_the_report_shows_the_first_rank_that_names_an_error():
+    lines = [f"step {i}" for i in range(20)]
+    logs = {0: "epoch 1\n", 2: "\n".join(lines + ["rank 2: RuntimeError: boom"]), 3: "ringtrain: error: x\n"}
+    rank, shown = L.failure_report(logs)
+    assert rank == 2 and shown == [(2, lines[-9:] + ["rank 2: RuntimeError: boom"])]
+
+
+def test_without_an_error_the_report_shows_every_non_empty_log():
+    rank, shown = L.failure_report({0: "a\nb\n", 1: "", 2: "c\n"}, lines=1)
+    assert rank is None and shown == [(0, ["b"]), (2, ["c"])]
+    assert L.format_failure_report("/l", shown) == [
+        "ringtrain launch: last 1 line(s) of /l/rank-0.log:", "    b",
+        "ringtrain launch: last 1 line(s) of /l/rank-2.log:", "    c"]
+
+
+def test_restarts_append_to_the_rank_logs():
+    args, _ = launch_command(2, ["p"], mpirun=MPIRUN, flavour="mpich", logdir="/logs", python="/py", restart=2)
+    assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.rank_log", "--restart", "2", "/logs", "--", "p"]
+    from ringtrain.rank_log import _parse
+    assert _parse(["--restart", "2", "/logs", "--", "p", "-v"]) == (2, "/logs", ["p", "-v"])
+    assert _parse(["/logs", "p"]) == (0, "/logs", ["p"])
+    assert _parse(["--restart", "x", "/logs", "--", "p"]) is None
+
+
+@pytest.mark.parametrize("restarts, delay, message", [
+    (-1, 3.0, "--restarts must be at least 0, got -1"),
+    (1, -1.0, "--restart-delay must be a number of seconds, at least 0, got -1.0"),
+    (1, float("nan"), "--restart-delay must be a number of seconds, at least 0, got nan"),
+])
+def test_restart_flags_are_checked(fake_mpi, restarts, delay, message):
+    with pytest.raises(UsageError, match="^" + re.escape(message) + "$"):
+        L.launch(2, ["p"], mpirun=fake_mpi("mpich"), restarts=restarts, restart_delay=delay, dry_run=True)
+
+
+# --- --check ------------------------------------------------------------------------
+
+def test_check_names_a_host_that_does_not_resolve_and_passes_this_machine():
+    assert L.check_host("no-such-host.invalid") == \
+        "host no-such-host.invalid: does not resolve (check the hostfile or /etc/hosts)"
+    assert L.check_host("localhost") is None
+    assert L.check_hosts([Host("localhost", 2), Host("x.invalid", 1), Host("localhost", 1)]) == \
+        ["host x.invalid: does not resolve (check the hostfile or /etc/hosts)"]
