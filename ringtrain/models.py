@@ -29,6 +29,7 @@ Example::
     loss, grads, correct = model.loss_and_grad(x_batch, y_batch)
 """
 
+import inspect
 import operator
 
 import numpy as np
@@ -369,25 +370,56 @@ def _softmax(num_features, num_classes, hidden, xp, seed, dtype):
     return MLP((num_features, num_classes), xp=xp, seed=seed, dtype=dtype)
 
 
-# name -> builder(num_features, num_classes, hidden, xp, seed, dtype) returning a Model.
-MODELS = {"mlp": _mlp, "softmax": _softmax}
+def _cnn(num_features, num_classes, hidden, xp, seed, dtype, input_shape=None, channels=(16, 32), kernel=5):
+    if input_shape is None:
+        raise ValueError("model 'cnn' needs image data: digits, mnist5k, or an .npz whose x is N x H x W "
+                         "or N x C x H x W")
+    from .cnn import CNN  # here, not at the top: cnn.py builds on this module
+
+    input_shape = tuple(_size("image size", s, 1) for s in input_shape)
+    if int(np.prod(input_shape)) != num_features:
+        raise ValueError(f"input_shape {input_shape} does not hold {num_features} features")
+    hidden = tuple(_size("hidden layer size", h, 1) for h in hidden)
+    channels = tuple(_size("conv channels", c, 1) for c in ((channels,) if np.ndim(channels) == 0 else channels))
+    return CNN(input_shape, num_classes, channels=channels, kernel=_size("kernel", kernel, 1), hidden=hidden,
+               xp=xp, seed=seed, dtype=dtype)
+
+
+# name -> builder(num_features, num_classes, hidden, xp, seed, dtype) returning a Model. A builder
+# that also takes ``input_shape`` gets the image shape (or None); one that takes further keywords
+# (the cnn's ``channels``, ``kernel``) gets those given to build_model.
+MODELS = {"mlp": _mlp, "softmax": _softmax, "cnn": _cnn}
 
 
 def register_model(name, builder):
-    """Make ``build_model(name, ...)`` call ``builder(num_features, num_classes, hidden, xp, seed, dtype)``."""
+    """Make ``build_model(name, ...)`` call ``builder(num_features, num_classes, hidden, xp, seed, dtype)``.
+
+    A builder that declares an ``input_shape`` parameter is also passed the
+    data's image shape, ``(channels, height, width)`` or None; any other
+    keyword given to :func:`build_model` is passed on as is.
+    """
     if name in MODELS:
         raise ValueError(f"model {name!r} is already registered")
     MODELS[name] = builder
 
 
-def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype=np.float32):
+def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype=np.float32, *, input_shape=None,
+                **options):
     """Build a registered model with parameters drawn from ``numpy.random.default_rng(seed)``.
 
     Every rank that builds with the same arguments gets bitwise the same
     parameters, on the CPU or the GPU.
 
+    Args:
+        input_shape: ``(channels, height, width)`` when the rows are images
+            (:attr:`ringtrain.datasets.Shard.image_shape`), else None. Given
+            only to builders that take it: flat models ignore it.
+        options: model-specific settings, e.g. ``channels`` and ``kernel``
+            for ``"cnn"``.
+
     Raises:
-        ValueError: for an unknown name, a bad size or an unsupported dtype.
+        ValueError: for an unknown name, a bad size, an unsupported dtype,
+            or an option the model does not take.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
@@ -398,4 +430,22 @@ def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dtype.name}")
-    return MODELS[name](num_features, num_classes, tuple(hidden), xp, seed, dtype)
+    builder = MODELS[name]
+    accepted = _keywords(builder)
+    for key in options:
+        if accepted is not None and key not in accepted:
+            raise ValueError(f"model {name!r} takes no option {key!r}")
+    if input_shape is not None and (accepted is None or "input_shape" in accepted):
+        options["input_shape"] = tuple(input_shape)
+    return builder(num_features, num_classes, tuple(hidden), xp, seed, dtype, **options)
+
+
+def _keywords(builder):
+    """The names ``builder`` takes as keywords; None when it takes any (``**kwargs``)."""
+    try:
+        parameters = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return set()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
