@@ -275,3 +275,47 @@ def test_a_small_cnn_learns_digits():
         opt.step(model.params, grads, 0.05)
     after = model.evaluate(x, y)[1] / len(y)
     assert before < 0.3 and after > 0.9, (before, after)
+
+
+# --- image data ---------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, image_shape", [((30, 8, 8), (1, 8, 8)), ((30, 3, 6, 4), (3, 6, 4)),
+                                                ((30, 12), None)])
+def test_datasets_flatten_images_and_record_their_shape(tmp_path, shape, image_shape):
+    from mpi4py import MPI
+
+    from ringtrain.datasets import load_sharded
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random(shape).astype(np.float32), np.arange(shape[0]) % 3
+    np.savez(tmp_path / "data.npz", x=x[:20], y=y[:20], x_test=x[20:], y_test=y[20:])
+    (tmp_path / "dir").mkdir()
+    np.save(tmp_path / "dir" / "x.npy", x)
+    np.save(tmp_path / "dir" / "y.npy", y)
+    for where in (tmp_path / "data.npz", tmp_path / "dir"):
+        shard = load_sharded(str(where), MPI.COMM_SELF, test_fraction=1 / 3)
+        assert shard.image_shape == image_shape and shard.num_features == x[0].size
+        assert shard.x.shape == (20, x[0].size)
+    np.testing.assert_array_equal(load_sharded(str(tmp_path / "data.npz"), MPI.COMM_SELF).x, x[:20].reshape(20, -1))
+
+
+def test_built_in_image_datasets_know_their_shape_and_synthetic_has_none():
+    from mpi4py import MPI
+
+    from ringtrain.datasets import load_sharded
+
+    pytest.importorskip("sklearn")
+    assert load_sharded("digits", MPI.COMM_SELF).image_shape == (1, 8, 8)
+    assert load_sharded("synthetic", MPI.COMM_SELF, samples=50).image_shape is None
+
+
+def test_test_images_of_another_shape_are_a_usage_error(tmp_path):
+    from mpi4py import MPI
+
+    from ringtrain.datasets import load_sharded
+    from ringtrain.errors import UsageError
+
+    np.savez(tmp_path / "data.npz", x=np.zeros((6, 3, 6, 4)), y=np.arange(6) % 2, x_test=np.zeros((2, 3, 4, 6)),
+             y_test=np.arange(2))
+    with pytest.raises(UsageError, match="data.npz: x_test holds images of 3x4x6 but x holds 3x6x4"):
+        load_sharded(str(tmp_path / "data.npz"), MPI.COMM_SELF)
