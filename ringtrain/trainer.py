@@ -202,9 +202,10 @@ def train(cfg, comm=None, *, model=None, stream=None):
     plan = EpochPlan.for_shard(data, comm, batch_size=cfg.batch_size, seed=cfg.seed, drop_last=cfg.drop_last)
     if model is None:
         try:
-            hidden = cfg.hidden if cfg.model == "mlp" else ()
+            hidden = cfg.hidden if cfg.model in ("mlp", "cnn") else ()
+            conv = dict(channels=cfg.channels, kernel=cfg.kernel) if cfg.model == "cnn" else {}
             model = build_model(cfg.model, data.num_features, data.num_classes, hidden=hidden,
-                                xp=xp, seed=cfg.seed)
+                                xp=xp, seed=cfg.seed, input_shape=data.image_shape, **conv)
         except ValueError as exc:
             raise UsageError(str(exc), everywhere=True) from None
     params = model.params

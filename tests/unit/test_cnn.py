@@ -319,3 +319,35 @@ def test_test_images_of_another_shape_are_a_usage_error(tmp_path):
              y_test=np.arange(2))
     with pytest.raises(UsageError, match="data.npz: x_test holds images of 3x4x6 but x holds 3x6x4"):
         load_sharded(str(tmp_path / "data.npz"), MPI.COMM_SELF)
+
+
+# --- configuration --------------------------------------------------------------
+
+def test_hidden_defaults_by_model_and_conv_flags_parse():
+    from ringtrain.cli import build_parser
+    from ringtrain.commands.train import config_from_args
+
+    def parse(*argv):
+        return config_from_args(build_parser().parse_args(["train", *argv]))
+
+    assert parse().hidden == (256, 128)
+    cnn = parse("--model", "cnn")
+    assert (cnn.hidden, cnn.channels, cnn.kernel) == ((128,), (16, 32), 5)
+    assert parse("--model", "cnn", "--hidden", "64,32", "--channels", "8", "--kernel", "3").channels == (8,)
+    assert parse("--model", "cnn", "--hidden", "").hidden == ()  # the logits straight after the conv blocks
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"kernel": 4}, "--kernel: must be odd, from 1 to 15 ('same' padding), got 4"),
+    ({"kernel": 17}, "--kernel: must be odd, from 1 to 15"),
+    ({"channels": ()}, "--channels: expected 1 to 8 conv blocks of 1 to 1024 channels each, e.g. 16,32; got none"),
+    ({"channels": (16, 0)}, "--channels: expected 1 to 8 conv blocks of 1 to 1024 channels each, e.g. 16,32; "
+                            "got 16,0"),
+])
+def test_bad_conv_settings_are_one_line(change, needle):
+    from ringtrain.config import TrainConfig, validate
+    from ringtrain.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        validate(TrainConfig(model="cnn", **change))
+    assert str(info.value) == needle or str(info.value).startswith(needle)
