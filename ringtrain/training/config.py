@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..models import MODELS
 from ..safeio import MiB, TiB, human_bytes, one_line, read_regular
 
-__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "FIELDS", "LIMITS", "type_name",
+__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "MODEL_OPTIONS", "FIELDS", "LIMITS", "type_name",
            "flag_name", "parse_ints", "to_json"]
 
 # Bounds a real run stays far inside, checked before anything is allocated so
@@ -41,8 +41,16 @@ class TrainConfig:
     """Everything ``ringtrain train`` needs; the fields are the flags and the config file's keys."""
 
     dataset: str = _f("digits", "digits, mnist5k, synthetic, PATH.npz, or a directory with x.npy and y.npy")
-    model: str = _f("mlp", "a registered model: mlp, softmax, or one added with ringtrain.register_model")
-    hidden: tuple = _f((256, 128), "hidden layer sizes of the mlp, comma-separated", parse="ints")
+    model: str = _f("mlp", "mlp, softmax, cnn (conv blocks, then dense layers; needs image data), or a model "
+                           "added with ringtrain.register_model")
+    # None until __post_init__: the default depends on the model.
+    hidden: tuple = _f(None, "hidden layer sizes, comma-separated: the mlp's layers, or the cnn's dense layers "
+                             "after its conv blocks, 128 for the cnn unless given (its blocks extract the "
+                             "features; 256,128 would put most of its weights in the first dense layer)",
+                       parse="ints")
+    channels: tuple = _f((16, 32), "cnn: output channels of each conv -> ReLU -> 2x2 max-pool block, "
+                                   "comma-separated", parse="ints")
+    kernel: int = _f(5, "cnn: convolution kernel size, odd ('same' padding)")
     epochs: int = _f(30, "passes over the training set")
     batch_size: int = _f(32, "samples per step on each rank (global batch = this x ranks)")
     lr: float = _f(0.1, "base learning rate")
@@ -80,9 +88,20 @@ class TrainConfig:
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
     progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal")
 
+    def __post_init__(self):
+        if self.hidden is None:  # unset: the model's own default, so every reader sees a tuple
+            object.__setattr__(self, "hidden", DEFAULT_HIDDEN.get(self.model, DEFAULT_HIDDEN["mlp"]))
+
+
+# Settings only some models take; the trainer passes each to the builders that declare it.
+MODEL_OPTIONS = ("channels", "kernel")
+
+# --hidden when none is given, by model.
+DEFAULT_HIDDEN = {"mlp": (256, 128), "cnn": (128,), "softmax": ()}
+
 
 # The settings that every rank must share; a difference is an error on every rank.
-MUST_MATCH = ("dataset", "model", "hidden", "epochs", "batch_size", "lr", "optimizer", "momentum",
+MUST_MATCH = ("dataset", "model", "hidden", "channels", "kernel", "epochs", "batch_size", "lr", "optimizer", "momentum",
               "weight_decay", "warmup_steps", "scale_lr", "seed", "drop_last", "test_fraction", "samples",
               "features", "classes", "checkpoint_every", "max_steps", "nonfinite", "bucket_mb", "overlap",
               "fp16_allreduce", "shard_optimizer", "allreduce", "device", "resume", "eval_every", "log_every")
@@ -266,6 +285,11 @@ def validate(cfg):
     if any(h <= 0 for h in cfg.hidden):
         bad("hidden", f"layer sizes must be > 0, got {','.join(map(str, cfg.hidden))}")
     _check_sizes(cfg, bad)
+    if not 1 <= len(cfg.channels) <= 8 or not all(1 <= c <= 1024 for c in cfg.channels):
+        bad("channels", f"expected 1 to 8 conv blocks of 1 to 1024 channels each, e.g. 16,32; "
+                        f"got {','.join(map(str, cfg.channels)) or 'none'}")
+    if not (1 <= cfg.kernel <= 15 and cfg.kernel % 2 == 1):
+        bad("kernel", f"must be odd, from 1 to 15 ('same' padding), got {cfg.kernel}")
     for name in ("optimizer", "device", "nonfinite", "allreduce"):
         choices = FIELDS[name].metadata["choices"]
         if getattr(cfg, name) not in choices:

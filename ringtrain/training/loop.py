@@ -26,12 +26,12 @@ from ..checkpoint import CheckpointError, save_checkpoint
 from ..datasets import load_sharded
 from ..errors import UsageError
 from ..failure import agree
-from ..models import build_model, flat_layout
+from ..models import build_model, flat_layout, takes_option
 from ..optim import build_optimizer, learning_rate, scaled_lr
 from ..sharding import EpochPlan
 from ..topology import TaskSpec
 from ..watchdog import Watchdog, left_neighbour
-from .config import to_json, validate
+from .config import MODEL_OPTIONS, to_json, validate
 from .evaluate import reduce_eval
 from .meter import Meter, epoch_line
 from .replicas import check_params_everywhere, check_same_params, check_same_settings
@@ -123,9 +123,11 @@ def _start(cfg, comm, spec, model, stream, threads):
 
 
 def _build_model(cfg, data, xp):
+    # Model-specific settings (the cnn's channels and kernel) go to the builders that take them.
+    options = {name: getattr(cfg, name) for name in MODEL_OPTIONS if takes_option(cfg.model, name)}
     try:
-        hidden = cfg.hidden if cfg.model == "mlp" else ()
-        return build_model(cfg.model, data.num_features, data.num_classes, hidden=hidden, xp=xp, seed=cfg.seed)
+        return build_model(cfg.model, data.num_features, data.num_classes, hidden=cfg.hidden, xp=xp, seed=cfg.seed,
+                           input_shape=data.image_shape, **options)
     except ValueError as exc:
         raise UsageError(str(exc), everywhere=True) from None
 

@@ -69,7 +69,7 @@ def test_run_directory_layout_and_checkpoint_loads(tmp_path):
 
 @pytest.mark.parametrize("flags,needle", [
     (["--epochs", "0"], "--epochs: must be > 0"),
-    (["--model", "mlpp"], "unknown model 'mlpp'; choose one of mlp, softmax"),
+    (["--model", "mlpp"], "unknown model 'mlpp'; choose one of cnn, mlp, softmax"),
     (["--dataset", "/no/such/data.npz"], "/no/such/data.npz"),
     (["--batch-size", "5000"], "batch"),
     (["--hidden", "a,b"], "--hidden: expected comma-separated integers"),

@@ -76,7 +76,7 @@ def test_missing_and_wrong_kind_config(tmp_path):
     ({"batch_size": -1}, "--batch-size: must be > 0"),
     ({"lr": float("nan")}, "--lr: must be a finite number"),
     ({"momentum": 1.0}, "--momentum: must be in [0, 1)"),
-    ({"model": "mlpp"}, "unknown model 'mlpp'; choose one of mlp, softmax"),
+    ({"model": "mlpp"}, "unknown model 'mlpp'; choose one of cnn, mlp, softmax"),
     ({"hidden": ()}, "--hidden: the mlp needs at least one hidden layer"),
     ({"hidden": (0,)}, "--hidden: layer sizes must be > 0"),
     ({"optimizer": "rmsprop"}, "choose one of sgd, adam"),

@@ -242,7 +242,7 @@ def test_a_user_model_plugs_in_through_the_protocol():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(name="mlpp"), "unknown model 'mlpp'; choose one of mlp, softmax"),
+        (dict(name="mlpp"), "unknown model 'mlpp'; choose one of cnn, mlp, softmax"),
         (dict(num_features=0), "num_features must be at least 1, got 0"),
         (dict(num_classes=1), "num_classes must be at least 2, got 1"),
         (dict(num_features=2.5), "num_features must be an integer, got 2.5"),
