@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpirun import ROOT, mpirun, ringtrain, run, show
+from ringtrain.comm.cuda import cuda_aware
 
 PROGRAM = os.path.join(ROOT, "tests", "cli", "programs", "raise_on_rank.py")
 
@@ -17,8 +18,10 @@ def test_info_prints_one_table_for_three_ranks():
     assert result.returncode == 0, show(result)
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("ringtrain: 3 rank(s) on 1 node(s); MPI: ")
-    assert lines[1].split() == ["rank", "host", "local", "node", "device"]
-    rows = [line.split() for line in lines[2:]]
+    aware, why = cuda_aware()
+    assert lines[1] == f"CUDA-aware MPI: {'yes' if aware else 'no'} ({why})"
+    assert lines[2].split() == ["rank", "host", "local", "node", "device"]
+    rows = [line.split() for line in lines[3:]]
     host = MPI.Get_processor_name()
     assert rows == [[str(r), host, f"{r}/3", "0/1", "cpu"] for r in range(3)]
 

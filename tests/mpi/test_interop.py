@@ -4,9 +4,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-torch = pytest.importorskip("torch")
+from ringtrain.interop import average_gradients_, broadcast_parameters_, bucket_view_
 
-from ringtrain.interop import average_gradients_, broadcast_parameters_, bucket_view_  # noqa: E402
+try:
+    import torch
+except ImportError:  # collected and skipped, so the suite still sees this file's tests
+    torch = None
+
+pytestmark = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 def _model_with_grads(comm, flat):
