@@ -24,6 +24,13 @@ __all__ = [
     "xp_for",
     "synchronize",
     "use_device",
+    "device_buffer",
+    "ipc_handle",
+    "open_ipc",
+    "close_ipc",
+    "rank_order_kernel",
+    "from_dlpack",
+    "kernel_cache_cold",
 ]
 
 
@@ -102,3 +109,76 @@ def use_device(index):
     """Make GPU ``index`` current for this process (no-op for ``None``)."""
     if index is not None and _cupy is not None:
         _cupy.cuda.Device(index).use()
+
+
+# -- device memory other processes can map (CUDA IPC) -----------------------------
+
+def device_buffer(nbytes):
+    """A 1-D uint8 CuPy array in a device allocation of its own (``cudaMalloc``, not CuPy's pool).
+
+    An IPC handle names a whole allocation; arrays carved from CuPy's pool
+    share theirs with unrelated arrays, so memory to be mapped by other
+    processes gets its own.
+    """
+    memory = _cupy.cuda.Memory(max(int(nbytes), 1))
+    return _cupy.ndarray((int(nbytes),), _cupy.uint8, _cupy.cuda.MemoryPointer(memory, 0))
+
+
+def ipc_handle(array):
+    """``(handle, offset)``: the CUDA IPC handle of ``array``'s allocation and its offset in it."""
+    base = array.data.mem.ptr
+    return bytes(_cupy.cuda.runtime.ipcGetMemHandle(base)), array.data.ptr - base
+
+
+def open_ipc(handle, offset, nbytes):
+    """Map a peer's allocation: ``(uint8 array of nbytes at offset, pointer to close with close_ipc)``.
+
+    Opened with lazy peer access, so it works with ranks sharing one GPU and
+    with one GPU per rank (the kernels then read over NVLink or PCIe).
+    """
+    runtime = _cupy.cuda.runtime
+    pointer = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+    device = _cupy.cuda.Device().id
+    # The mapping is valid in this process's context: declared on the current
+    # device, so CuPy's kernels accept it beside local arrays.
+    memory = _cupy.cuda.UnownedMemory(pointer, offset + nbytes, None, device)
+    return _cupy.ndarray((int(nbytes),), _cupy.uint8, _cupy.cuda.MemoryPointer(memory, offset)), pointer
+
+
+def close_ipc(pointer):
+    """Unmap a peer's allocation opened with :func:`open_ipc`."""
+    _cupy.cuda.runtime.ipcCloseMemHandle(pointer)
+
+
+def rank_order_kernel(n, combine="add"):
+    """An elementwise kernel ``y = x0 + x1 + ... + x{n-1}`` (left to right), or min/max in that order.
+
+    One kernel reads every rank's chunk: the sum is made in rank order for
+    every element, so every rank gets the same bits whoever owns the chunk.
+    """
+    inputs = ", ".join(f"T x{i}" for i in range(n))
+    if combine == "add":
+        body = " + ".join(f"x{i}" for i in range(n))
+    else:
+        body = "x0"
+        for i in range(1, n):
+            body = f"{'min' if combine == 'minimum' else 'max'}({body}, x{i})"
+    return _cupy.ElementwiseKernel(inputs, "T y", f"y = {body}", f"ringtrain_{combine}_{n}")
+
+
+def from_dlpack(tensor):
+    """A CuPy view of a CUDA tensor (DLPack, zero-copy)."""
+    return _cupy.from_dlpack(tensor)
+
+
+def kernel_cache_cold():
+    """True when CuPy's kernel cache is empty: the first GPU run on this machine compiles every kernel."""
+    import os
+
+    if _cupy is None:
+        return False
+    directory = os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
+    try:
+        return not any(os.scandir(directory))
+    except OSError:
+        return True

@@ -117,16 +117,16 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
     return flat
 
 
-def _reduce_large(state, flat, op, algorithm, predivide):
+def _reduce_large(state, flat, op, algorithm, predivide, transport=None):
     """The bandwidth path after the header check: the transport the size policy picks."""
     xp = backend.get_array_module(flat)
     if predivide:
         xp.divide(flat, state.size, out=flat)
     backend.synchronize(flat)
-    transport = state.transport_for(algorithm, flat.nbytes, gpu=xp is not np)
+    transport = transport or state.transport_for(algorithm, flat.nbytes, gpu=xp is not np)
     if transport is None:
-        raise UsageError("algorithm 'shm' needs every rank on one host and host memory; use 'auto', 'ring' or "
-                         "'hierarchical'", everywhere=True)
+        raise UsageError("algorithm 'shm' needs every rank on one host; use 'auto', 'ring' or 'hierarchical'",
+                         everywhere=True)
     transport.allreduce(flat, COMBINE[op])
     if op == "mean" and not predivide:
         xp.divide(flat, state.size, out=flat)
@@ -134,11 +134,12 @@ def _reduce_large(state, flat, op, algorithm, predivide):
 
 
 def _reduce_gpu(state, flat, op, algorithm, predivide):
-    """A CuPy array: hand it to a CUDA-aware MPI, or stage it through pinned host memory."""
+    """A CuPy array: in place through CUDA IPC or a CUDA-aware MPI, else staged through pinned host memory."""
+    transport = state.transport_for(algorithm, flat.nbytes, gpu=True)
     if state.cuda_aware is None:
         state.cuda_aware = cuda_aware()[0]
-    if state.cuda_aware:
-        _reduce_large(state, flat, op, algorithm, predivide)
+    if transport is not None and (transport.name == "cuda-ipc" or state.cuda_aware):
+        _reduce_large(state, flat, op, algorithm, predivide, transport)
         return
     xp = backend.get_array_module(flat)
     host = state.buffer("gpu-host", flat.nbytes, xp, pinned=True)[:flat.nbytes].view(flat.dtype)

@@ -90,16 +90,18 @@ class CommState:
         Collective on first use of a transport (and of :meth:`one_host`):
         every rank reaches the same call with the same size and algorithm,
         which the header exchange has just checked. None where ``algorithm``
-        cannot apply (``"shm"`` across hosts or on a GPU buffer).
+        cannot apply (``"shm"`` across hosts) or the transport cannot serve
+        this communicator (CUDA IPC where the ranks cannot map each other's
+        memory).
         """
         one_host = self.one_host() if algorithm in ("auto", "shm") else False
         name = choose_transport(algorithm, nbytes, one_host, gpu)
         if name is None:
             return None
-        transport = self._transports.get(name)
-        if transport is None:
-            transport = self._transports[name] = create_transport(name, self.comm)
-        return transport
+        if name not in self._transports:
+            # None where it cannot serve this communicator (CUDA IPC refused): kept, not asked again.
+            self._transports[name] = create_transport(name, self.comm)
+        return self._transports[name]
 
     def drop_plans(self):
         """Forget the small-call plans and free their persistent requests."""
@@ -124,7 +126,8 @@ class CommState:
         self.drop_plans()
         transports, self._transports = list(self._transports.values()), {}
         for transport in transports:
-            transport.close()
+            if transport is not None:
+                transport.close()
 
     def buffer(self, name, nbytes, xp=np, pinned=False):
         """A reused 1-D uint8 buffer of at least ``nbytes``; grows, never shrinks."""

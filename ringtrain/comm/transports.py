@@ -8,6 +8,7 @@ line in :data:`TRANSPORTS`.
 """
 
 from .base import LocalTransport
+from .cuda_ipc import CudaIpcTransport
 from .hierarchical import HierarchicalTransport
 from .mpi import MpiTransport
 from .ring import RingTransport
@@ -18,6 +19,7 @@ __all__ = ["TRANSPORTS", "create_transport"]
 # name -> Transport subclass. "shm" is the name users know the window by (--allreduce shm).
 TRANSPORTS = {
     "shm": WindowTransport,
+    "cuda-ipc": CudaIpcTransport,
     "ring": RingTransport,
     "mpi": MpiTransport,
     "hierarchical": HierarchicalTransport,
@@ -29,9 +31,10 @@ def create_transport(name, comm, **options):
     """A transport by name over ``comm``; collective (some transports set up shared state).
 
     One rank always gets a :class:`~ringtrain.comm.base.LocalTransport`.
-    ``options`` go to the transport's ``create`` (the window takes
+    ``options`` go to the transport's ``create`` (the windows take
     ``shared_bytes``). Returns None where the transport cannot serve ``comm``
-    (the window across hosts); every rank gets the same answer.
+    (a window across hosts, CUDA IPC where the ranks cannot map each other's
+    memory); every rank gets the same answer.
 
     Raises:
         ValueError: for an unknown name, listing the known ones.

@@ -44,6 +44,8 @@ trains, the time is what matters.
 
 import numpy as np
 
+from .. import backend
+from ..comm.cuda import cuda_aware
 from ..comm.policy import SMALL_VALUES, choose_transport
 from ..comm.state import state_of
 from ..comm.transports import create_transport
@@ -56,15 +58,13 @@ def shardable(model, opt):
     """Why the step cannot be sharded for ``model`` and ``opt`` on this rank, or None if it can (local).
 
     The sharded step needs the flat-buffer tier (a
-    :class:`~ringtrain.models.FlatModel` with host buffers) and an optimizer
+    :class:`~ringtrain.models.FlatModel`, on the CPU or a GPU) and an optimizer
     whose state is laid out in the model's flat order
     (``build_optimizer(..., order=flat_layout(model).order)``).
     """
     layout = flat_layout(model)
     if layout is None:
         return "the model keeps no flat buffers (subclass ringtrain.models.FlatModel)"
-    if not isinstance(model.grad_buffer, np.ndarray):
-        return "the model's buffers are on a GPU"
     if not opt.flat or tuple(opt.order) != tuple(layout.order):
         return "the optimizer state is not laid out in the model's flat order"
     return None
@@ -98,17 +98,20 @@ class ShardedStep:
         if not comm.allreduce(int(shardable(model, opt) is None), op=MPI.MIN):
             return None
         gbuf, size = model.grad_buffer, comm.Get_size()
-        name = "local" if size == 1 else choose_transport(algorithm, gbuf.nbytes, state_of(comm).one_host())
-        if name is None:
-            return None
-        options = {"shared_bytes": 2 * _aligned(gbuf.nbytes)} if name == "shm" else {}
+        gpu = backend.is_gpu_array(gbuf)
+        name = "local" if size == 1 else choose_transport(algorithm, gbuf.nbytes, state_of(comm).one_host(), gpu)
+        if name is None or (gpu and name not in ("local", "cuda-ipc") and not cuda_aware()[0]):
+            return None  # on a GPU without a window or a CUDA-aware MPI, the allreduce stages anyway
+        window = name in ("shm", "cuda-ipc")
+        options = {"shared_bytes": 2 * _aligned(gbuf.nbytes)} if window else {}
         dup = comm.Dup()  # its own messages: never matched with another collective's
         transport = create_transport(name, dup, **options)
-        if not transport.two_phase:
-            transport.close()
+        if transport is None or not transport.two_phase:
+            if transport is not None:
+                transport.close()
             dup.Free()
             return None
-        if name == "shm":
+        if window:
             # The buffers move into the window: peers read them where backward and the update write them.
             model.rebind(transport.share(gbuf.size, gbuf.dtype), transport.share(gbuf.size, gbuf.dtype))
         return cls(transport, dup, model, opt)
@@ -127,7 +130,7 @@ class ShardedStep:
         self.transport.reduce_scatter(grads)
         chunk = grads[self.start:self.stop]
         if self.size > 1:
-            np.divide(chunk, self.size, out=chunk)
+            backend.get_array_module(chunk).divide(chunk, self.size, out=chunk)
         return chunk
 
     def sum_small(self, values):
@@ -153,8 +156,9 @@ class ShardedStep:
 
     def close(self):
         """Move the model's buffers back to private memory; release the transport (collective)."""
-        if self.transport.name == "shm":
-            self.model.rebind(np.empty_like(self.model.param_buffer), np.empty_like(self.model.grad_buffer))
+        if self.transport.name in ("shm", "cuda-ipc"):
+            xp = backend.get_array_module(self.model.param_buffer)
+            self.model.rebind(xp.empty_like(self.model.param_buffer), xp.empty_like(self.model.grad_buffer))
         self.transport.close()
         state_of(self.comm).close()
         self.comm.Free()

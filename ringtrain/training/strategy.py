@@ -26,7 +26,6 @@ every rank calls them in the same order.
 import contextlib
 import enum
 
-import numpy as np
 
 from ..comm.buckets import allreduce_many_, plan_buckets
 from ..comm.reducer import Reducer
@@ -184,6 +183,7 @@ class ShardedUpdate(Strategy):
 
     def __init__(self, sharded, phases):
         self.sharded, self.phases = sharded, phases
+        self.xp = sharded.opt.xp
         self.description = f"sharded optimizer step (reduce-scatter, update, allgather) over {sharded.kind}"
 
     def step(self, step, xb, yb, lr, stop, metrics):
@@ -194,7 +194,8 @@ class ShardedUpdate(Strategy):
             chunk = sharded.reduce_gradients()
         # Each rank holds only its chunk of the reduced gradient, so finiteness
         # is agreed in the metrics sum, before anyone updates.
-        metrics[:] = (loss * len(xb), correct, len(xb), stop, 0.0 if np.isfinite(chunk).all() else 1.0)
+        finite = bool(self.xp.isfinite(chunk).all())
+        metrics[:] = (loss * len(xb), correct, len(xb), stop, 0.0 if finite else 1.0)
         with phases.watched("metrics allreduce", step):
             sharded.sum_small(metrics)
         if metrics[Slot.NONFINITE] > 0:
@@ -236,7 +237,8 @@ def choose_strategy(cfg, model, opt, comm, phases):
         sharded = ShardedStep.create(model, opt, comm, cfg.allreduce)
         if sharded is not None:
             return ShardedUpdate(sharded, phases), None
-        why = comm.bcast(shardable(model, opt) or f"--allreduce {cfg.allreduce} has no reduce-scatter", root=0)
+        why = comm.bcast(shardable(model, opt) or f"--allreduce {cfg.allreduce} offers no reduce-scatter here "
+                         "(hierarchical, or a GPU without CUDA IPC or a CUDA-aware MPI)", root=0)
     return AllreduceThenUpdate(model, opt, comm, phases, **options), why or None
 
 

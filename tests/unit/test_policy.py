@@ -16,12 +16,16 @@ FITS, BIG = WINDOW_BYTES - 4096, max(WINDOW_BYTES, RING_BYTES) + 1
     ("auto", BIG, True, False, "ring"),       # past the window's cap
     ("auto", SMALL_BYTES, False, False, "mpi"),  # across hosts, latency-bound: MPI's own collectives
     ("auto", BIG, False, False, "ring"),
-    ("auto", SMALL_BYTES, True, True, "mpi"),  # the window maps host memory only
+    ("auto", SMALL_BYTES, True, True, "cuda-ipc"),  # the peer window on GPUs, at any size
+    ("auto", BIG, True, True, "cuda-ipc"),
+    ("auto", SMALL_BYTES, False, True, "mpi"),      # across hosts: staged, or on device with CUDA-aware MPI
+    ("ring", BIG, True, True, "ring"),
     ("ring", SMALL_BYTES, True, False, "ring"),
     ("mpi", BIG, True, False, "mpi"),
     ("shm", BIG, True, False, "shm"),         # forced: any size, in rounds
     ("shm", SMALL_BYTES, False, False, None),
-    ("shm", SMALL_BYTES, True, True, None),
+    ("shm", BIG, True, True, "cuda-ipc"),
+    ("shm", SMALL_BYTES, False, True, None),
     ("hierarchical", SMALL_BYTES, False, False, "hierarchical"),
 ])
 def test_choose_transport(algorithm, nbytes, one_host, gpu, expected):
@@ -31,8 +35,8 @@ def test_choose_transport(algorithm, nbytes, one_host, gpu, expected):
 def test_every_choice_is_a_registered_transport():
     for algorithm in ("auto", "ring", "mpi", "hierarchical", "shm"):
         for nbytes in (0, SMALL_BYTES, FITS, BIG):
-            name = choose_transport(algorithm, nbytes, one_host=True)
-            assert name in TRANSPORTS
+            for gpu in (False, True):
+                assert choose_transport(algorithm, nbytes, one_host=True, gpu=gpu) in TRANSPORTS
 
 
 def test_unknown_names_list_the_known_ones():
