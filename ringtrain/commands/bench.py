@@ -17,7 +17,7 @@ import time
 
 from ..errors import UsageError
 
-HELP = "benchmark the ring allreduce against MPI's Allreduce (nccl-tests style)"
+HELP = "benchmark the ring allreduce against MPI's Allreduce, on the CPU or a GPU (nccl-tests style)"
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # 2^31 - 1 float32 elements is the largest count every MPI's Allreduce takes
@@ -44,6 +44,10 @@ def message_sizes(min_bytes, max_bytes):
 
 def add_arguments(parser):
     parser.add_argument("what", choices=["allreduce"], help="what to benchmark")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="cpu: NumPy buffers against MPI's Allreduce; gpu: CuPy buffers against MPI's "
+                             "Allreduce staged through the host (and torch gloo on CUDA tensors where torch has "
+                             "CUDA) (default: cpu)")
     parser.add_argument("--min-bytes", type=parse_bytes, default=4 << 10, help="smallest message (default 4K)")
     parser.add_argument("--max-bytes", type=parse_bytes, default=256 << 20, help="largest message (default 256M)")
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per size (fewer for big sizes)")
@@ -76,26 +80,31 @@ def _timed(comm, contestants, reset, iters, warmup):
     return {name: float(np.median(times[k])) for k, name in enumerate(contestants)}
 
 
-def memcpy_rate(nbytes=64 << 20, iters=10):
-    """Single-core copy rate in bytes per second (one array copied to another)."""
+def memcpy_rate(nbytes=64 << 20, iters=10, xp=None):
+    """Copy rate in bytes per second (one array copied to another): one core, or the GPU's device memory."""
     import numpy as np
 
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
+    xp = np if xp is None else xp
+    src = xp.ones(nbytes // 4, np.float32)
+    dst = xp.empty_like(src)
     best = []
     for _ in range(iters + 2):
         start = time.perf_counter()
-        np.copyto(dst, src)
+        dst[...] = src
+        _synchronize(dst)
         best.append(time.perf_counter() - start)
     return nbytes / statistics.median(best[2:])
 
 
-def run(args):
-    import numpy as np
-    from mpi4py import MPI
+def _synchronize(x):
+    from .. import backend
 
-    from ..comm import allreduce_
-    from ..comm.policy import RING_BYTES, SMALL_BYTES
+    backend.synchronize(x)
+
+
+def _check(args, size):
+    """One-line errors for arguments no rank can run with (every rank sees the same ones)."""
+    from .. import backend
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0", everywhere=True)
@@ -104,39 +113,152 @@ def run(args):
     if args.max_bytes > MAX_BYTES:
         raise UsageError(f"--max-bytes {args.max_bytes:,} is too large; ringtrain bench goes up to {MAX_BYTES:,} "
                          "bytes (2^31 - 1 float32 elements, the largest count every MPI accepts)", everywhere=True)
+    if size < 2:
+        raise UsageError("bench allreduce needs at least 2 ranks to compare anything; run it under "
+                         "mpirun -np 2 (or more)", everywhere=True)
+    if args.device == "gpu" and not backend.gpu_available():
+        raise UsageError("bench allreduce --device gpu needs a CUDA GPU and CuPy (pip install ringtrain[cuda12]); "
+                         "use --device cpu here", everywhere=True)
+
+
+class Suite:
+    """The contestants of one device, the baseline they are compared with, and the reference copy rate.
+
+    CPU: MPI's own Allreduce (the baseline), ringtrain's ring, and ringtrain's
+    ``auto``. GPU: MPI's Allreduce staged through the host, as a user writes it
+    by hand (the baseline), ringtrain's ring and ``auto`` on CuPy buffers, and
+    torch's gloo on CUDA tensors where torch has CUDA.
+    """
+
+    def __init__(self, device, comm):
+        from .. import backend
+
+        self.device, self.comm = device, comm
+        self.xp = backend.xp_for(device)
+        self.baseline = "mpi" if device == "cpu" else "staged"
+        self.copy_label = "memcpy (one core)" if device == "cpu" else "device-to-device copy"
+        self._gloo = _gloo_group(comm) if device == "gpu" else None
+
+    def contestants(self, x):
+        """name -> a function that sums ``x`` over the ranks in place."""
+        from mpi4py import MPI
+
+        from ..comm import allreduce_
+
+        comm = self.comm
+        ours = {"ring": lambda: allreduce_(x, "sum", comm, algorithm="ring"),
+                "auto": lambda: allreduce_(x, "sum", comm, algorithm="auto")}
+        if self.device == "cpu":
+            return {"mpi": lambda: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM), **ours}
+        host = np_empty_pinned_like(x)
+
+        def staged():
+            _synchronize(x)
+            x.get(out=host)
+            comm.Allreduce(MPI.IN_PLACE, [host, MPI.FLOAT], MPI.SUM)
+            x.set(host)
+            _synchronize(x)
+
+        everyone = {"staged": staged, **ours}
+        if self._gloo is not None:
+            everyone["gloo"] = self._gloo(x)
+        # GPU work is queued on a stream: a contestant's time ends when its kernels have.
+        return {name: _then_synchronized(fn, x) for name, fn in everyone.items()}
+
+    def ratios(self, row):
+        """``(label, value)`` pairs: ringtrain against the baseline (and gloo), and against the copy rate."""
+        auto, base = row["auto"]["busbw_GBps"], row[self.baseline]["busbw_GBps"]
+        pairs = [(f"auto/{self.baseline}", auto / base), ("ring/" + self.baseline, row["ring"]["busbw_GBps"] / base)]
+        if "gloo" in row:
+            pairs.append(("auto/gloo", auto / row["gloo"]["busbw_GBps"]))
+        pairs.append(("auto/copy", auto * 1e9 / row["copy_Bps"]))
+        return pairs
+
+
+def _then_synchronized(fn, x):
+    def timed():
+        fn()
+        _synchronize(x)
+
+    return timed
+
+
+def np_empty_pinned_like(x):
+    """A pinned host array like the CuPy array ``x`` (staging that moves at full PCIe speed)."""
+    import numpy as np
+
+    from .. import backend
+
+    memory = backend.get_array_module(x).cuda.alloc_pinned_memory(x.nbytes)
+    return np.frombuffer(memory, x.dtype, x.size)
+
+
+def _gloo_group(comm):
+    """A torch.distributed gloo group over ``comm``'s ranks, or None without torch with CUDA."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    import socket
+
+    address = comm.bcast(socket.gethostname() if comm.Get_rank() == 0 else None, root=0)
+    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+
+    def contestant(x):
+        tensor = torch.from_dlpack(x)  # zero-copy: the same device memory
+        return lambda: dist.all_reduce(tensor)
+
+    return contestant
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run(args):
+    import numpy as np
+    from mpi4py import MPI
+
+    from ..comm.policy import RING_BYTES, SMALL_BYTES
+
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
-    factor = 2 * (size - 1) / size if size > 1 else 1.0
-    copy = memcpy_rate()
-    copy = comm.allreduce(copy, MPI.MIN)
+    _check(args, size)
+    suite = Suite(args.device, comm)
+    factor = 2 * (size - 1) / size
+    copy = comm.allreduce(memcpy_rate(xp=suite.xp), MPI.MIN)
     rows = []
     for nbytes in message_sizes(args.min_bytes, args.max_bytes):
-        x = np.empty(nbytes // 4, np.float32)
-        # Fresh values every iteration (untimed), so sums never run into inf.
-        def reset():
+        x = suite.xp.empty(nbytes // 4, np.float32)
+
+        def reset(x=x):  # fresh values every iteration (untimed), so sums never run into inf
             x[...] = 1.0
+
         # Fewer iterations for big messages: about 2 GiB moved per contestant.
         iters = max(3, min(args.iters, (2 << 30) // max(nbytes, 1)))
-        row = {"bytes": nbytes, "count": x.size, "iters": iters}
-        contestants = {
-            "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM),
-            "ring": lambda: allreduce_(x, "sum", comm, algorithm="ring"),
-            "auto": lambda: allreduce_(x, "sum", comm, algorithm="auto"),
-        }
-        for name, seconds in _timed(comm, contestants, reset, iters, args.warmup).items():
+        row = {"bytes": nbytes, "count": x.size, "iters": iters, "copy_Bps": copy}
+        for name, seconds in _timed(comm, suite.contestants(x), reset, iters, args.warmup).items():
             algbw = nbytes / seconds
             row[name] = {"time_us": seconds * 1e6, "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * factor / 1e9}
-        row["ring_vs_mpi_busbw"] = row["ring"]["busbw_GBps"] / row["mpi"]["busbw_GBps"]
-        row["auto_vs_mpi_time"] = row["auto"]["time_us"] / row["mpi"]["time_us"]
-        row["ring_busbw_vs_memcpy"] = row["ring"]["busbw_GBps"] * 1e9 / copy
+        row["ratios"] = dict(suite.ratios(row))
         rows.append(row)
         if rank == 0 and not args.json:
             if len(rows) == 1:
-                _print_header(size, copy, SMALL_BYTES, RING_BYTES)
+                _print_header(size, suite, copy, SMALL_BYTES, RING_BYTES, row)
             _print_row(row)
         del x
     if rank == 0 and args.json:
-        print(json.dumps({"ranks": size, "dtype": "float32", "op": "sum", "memcpy_GBps": copy / 1e9,
+        print(json.dumps({"ranks": size, "device": args.device, "dtype": "float32", "op": "sum",
+                          "copy_GBps": copy / 1e9, "copy": suite.copy_label, "baseline": suite.baseline,
                           "small_bytes": SMALL_BYTES, "ring_bytes": RING_BYTES, "busbw_factor": factor,
                           "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
                           "rows": rows}, indent=2))
@@ -150,23 +272,25 @@ def _size(nbytes):
     return str(nbytes)
 
 
-def _print_header(size, copy, small, ring):
+def _print_header(size, suite, copy, small, ring, row):
     from ..comm.policy import WINDOW_BYTES
 
-    print(f"# ringtrain bench allreduce: {size} rank(s), float32 sum, busbw = algbw * 2(N-1)/N")
-    print(f"# memcpy (one core, this run): {copy / 1e9:.2f} GB/s; auto = doubling up to {_size(small)}, then "
-          f"shared memory up to {_size(WINDOW_BYTES)} on one host (else MPI Allreduce below {_size(ring)}), "
-          f"ring from there")
-    print(f"# {'size':>6} {'count':>10} | {'mpi us':>9} {'busbw':>6} | {'ring us':>9} {'busbw':>6} | "
-          f"{'auto us':>9} {'busbw':>6} | {'ring/mpi':>8} {'ring/cpy':>8} {'auto/mpi':>8}")
-    print(f"# {'':>6} {'':>10} | {'':>9} {'GB/s':>6} | {'':>9} {'GB/s':>6} | {'':>9} {'GB/s':>6} | "
-          f"{'busbw':>8} {'busbw':>8} {'time':>8}")
+    names = [k for k in row if isinstance(row[k], dict) and "time_us" in row[k]]
+    print(f"# ringtrain bench allreduce --device {suite.device}: {size} rank(s), float32 sum, "
+          "busbw = algbw * 2(N-1)/N")
+    if suite.device == "cpu":
+        how = (f"auto = doubling up to {_size(small)}, then shared memory up to {_size(WINDOW_BYTES)} on one host "
+               f"(else MPI Allreduce below {_size(ring)}), ring from there")
+    else:
+        how = f"auto = doubling (host-staged) up to {_size(small)}, then CUDA IPC on one host; staged = MPI via host"
+    print(f"# {suite.copy_label}, this run: {copy / 1e9:.2f} GB/s; {how}")
+    print("# " + " | ".join([f"{'size':>6} {'count':>10}"] + [f"{n + ' us':>9} {'busbw':>6}" for n in names]
+                            + [" ".join(f"{label:>9}" for label, _ in row["ratios"].items())]))
 
 
 def _print_row(row):
+    names = [k for k in row if isinstance(row[k], dict) and "time_us" in row[k]]
     cells = [f"  {_size(row['bytes']):>6} {row['count']:>10}"]
-    for name in ("mpi", "ring", "auto"):
-        cells.append(f"{row[name]['time_us']:9.1f} {row[name]['busbw_GBps']:6.2f}")
-    cells.append(f"{row['ring_vs_mpi_busbw']:7.2f}x {row['ring_busbw_vs_memcpy']:7.0%} "
-                 f"{row['auto_vs_mpi_time']:7.2f}x")
+    cells += [f"{row[n]['time_us']:9.1f} {row[n]['busbw_GBps']:6.2f}" for n in names]
+    cells.append(" ".join(f"{value:8.2f}x" for value in row["ratios"].values()))
     print(" | ".join(cells), flush=True)

@@ -107,6 +107,9 @@ def _start(cfg, comm, spec, model, stream, threads):
     run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
     log = RunLog(run_dir, spec.is_master, stream=stream)
     agree(comm, log.claim())  # a directory another live job holds: refused before it is read or written
+    if xp is not np and backend.kernel_cache_cold():
+        log.print("ringtrain: compiling GPU kernels for the first run on this machine (CuPy caches them; later "
+                  "runs start in seconds)")
     if threads is not None:
         log.print(f"ringtrain: {threads} BLAS thread(s) per rank ({spec.local_size} rank(s) on this host; "
                   "set OMP_NUM_THREADS to choose)")
