@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from .models import FlatModel, xent_in_place
+from .model_base import FlatModel, xent_in_place
 
 __all__ = ["CNN"]
 
