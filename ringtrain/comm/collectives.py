@@ -46,7 +46,7 @@ import numpy as np
 from .. import backend
 from ..errors import UsageError
 from .cuda import cuda_aware
-from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local,
+from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, exchange,
                      raise_mismatch)
 from .pair import pair_plan
 from .policy import SMALL_BYTES
@@ -96,7 +96,7 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
             out = flat
         if predivide:
             np.divide(payload, state.size, out=payload)
-        verdict = state.exchange(header, payload, combine, out)
+        verdict = exchange(state, header, payload, combine, out)
         if verdict is not None:
             raise_mismatch(who, header, verdict, message)
         if op == "mean" and not predivide:
@@ -105,7 +105,7 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
             flat.set(out)
             backend.synchronize(flat)
         return flat
-    verdict = state.exchange(header, None, None, None)
+    verdict = exchange(state, header, None, None, None)
     if verdict is not None:
         raise_mismatch(who, header, verdict, message)
     if code:  # every rank found the same problem
@@ -254,7 +254,7 @@ def broadcast_(x, root=0, comm=None):
         return x
     header = (code, 1, DTYPE_CODE.get(dtype, 0), x.size, BROADCAST, 0,
               root, 0)
-    verdict = state.exchange(header, None, None, None)
+    verdict = exchange(state, header, None, None, None)
     if verdict is not None:
         raise_mismatch("broadcast_", header, verdict, message)
     if code:

@@ -79,7 +79,7 @@ def cuda_aware(environ=None):
     """
     import os
 
-    from mpi4py import MPI  # noqa: F401 - initialises MPI, which the query needs
+    import mpi4py.MPI  # noqa: F401 - initialises MPI, which the query needs
 
     environ = os.environ if environ is None else environ
     override = environ.get(ENV)

@@ -20,8 +20,9 @@ use), every rank raises (:func:`raise_mismatch`), naming both values.
 A small call carries its data in the same message, after the header, so the
 check costs no extra round trip; a larger call sends the header alone first.
 
-This module is pure: the tables and messages, no MPI. The exchange itself is
-:meth:`ringtrain.comm.state.CommState.exchange`.
+The tables, the messages and the checks are pure; :func:`exchange` is the
+protocol itself, over the buffers a communicator's
+:class:`~ringtrain.comm.state.CommState` keeps.
 """
 
 import enum
@@ -50,6 +51,7 @@ __all__ = [
     "Problem",
     "raise_mismatch",
     "check_local",
+    "exchange",
 ]
 
 OPS = ("sum", "mean", "min", "max")
@@ -169,3 +171,80 @@ def check_local(flat, op, algorithm):
     if op == "mean" and dtype.kind != "f":
         return Problem.MEAN_NEEDS_FLOAT, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"
     return Problem.NONE, None
+
+
+def exchange(state, header, payload, combine, out):
+    """The header exchange, by recursive doubling, with an optional payload.
+
+    Every rank goes through the same rounds whatever its header says, and
+    receives into buffers with room for any header plus the largest small
+    payload, so disagreeing calls cannot truncate, overrun or hang. Each
+    rank keeps the elementwise minimum of ``[fields, -fields]`` over what
+    it has heard; a rank whose minimum still equals its own header heard
+    only agreement, and after the last round everyone has heard from
+    everyone.
+
+    Args:
+        header: ``NFIELDS`` ints.
+        payload: the payload view from :meth:`~ringtrain.comm.state.CommState.views`, in
+            ``state.send`` after the header,
+            holding this rank's data, or None to send the header alone.
+        combine: ``f(a, b, out)`` applied lower rank first.
+        out: 1-D NumPy array the result is written to.
+
+    Collective over ``state.comm`` (a :class:`ringtrain.comm.state.CommState`,
+    whose buffers it uses).
+
+    Returns:
+        None when every rank sent the same header, else ``(lowest, highest)``
+        field values over all ranks.
+    """
+    comm, rank = state.comm, state.rank
+    mine = state.packed.get(header)
+    if mine is None:
+        if len(state.packed) > 1024:  # bounded: headers repeat in training loops
+            state.packed.clear()
+        mine = state.packed[header] = HEADER.pack(*header, *(-v for v in header))
+    state.send_bytes[:HEADER_BYTES] = mine
+    if payload is None:
+        message, theirs = state.header_only, None
+    else:
+        message, theirs = state.views(payload.dtype, payload.size)[1:]
+    heard, received = state.heard, state.recv_bytes[:HEADER_BYTES]
+    agreed = True
+    last = len(state.doubling) - 1
+    for step, (kind, peer) in enumerate(state.doubling):
+        if kind == "send":
+            comm.Send(message, peer, TAG)
+            comm.Recv(heard, peer, TAG)
+            agreed = received.tobytes() == mine
+            if agreed and payload is not None:
+                out[...] = theirs
+            return _verdict(agreed, state.recv_header)
+        if kind == "unfold":
+            comm.Send(message, peer, TAG)
+            continue
+        if kind == "exchange":
+            comm.Sendrecv(message, peer, TAG, heard, peer, TAG)
+        else:
+            comm.Recv(heard, peer, TAG)
+        if received.tobytes() != mine:
+            agreed = False
+            np.minimum(state.send_header, state.recv_header, out=state.send_header)
+        if agreed and payload is not None:
+            # On the last round (nothing left to pass on) write the result
+            # straight to its destination: one copy fewer.
+            target = out if step == last else payload
+            if peer < rank:
+                combine(theirs, payload, out=target)
+            else:
+                combine(payload, theirs, out=target)
+    if agreed and payload is not None and (last < 0 or state.doubling[last][0] == "unfold"):
+        out[...] = payload
+    return _verdict(agreed, state.send_header)
+
+def _verdict(agreed, header):
+    if agreed:
+        return None
+    values = header.tolist()
+    return values[:NFIELDS], [-v for v in values[NFIELDS:]]

@@ -2,8 +2,7 @@
 
 A :class:`CommState` is cached on each communicator with MPI attribute
 caching (:meth:`CommState.of`): the recursive-doubling schedule, the send
-and receive buffers of the header exchange (:meth:`CommState.exchange`, the
-protocol in :mod:`ringtrain.comm.header`), the transports made so far
+and receive buffers of the header exchange (:func:`ringtrain.comm.header.exchange`), the transports made so far
 (:meth:`CommState.transport_for`), reused staging buffers (the fusion
 buffer, pinned host copies of GPU arrays) and the small-call plans of
 :mod:`ringtrain.comm.pair`. They grow to the largest size seen and are
@@ -19,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from .header import HEADER, HEADER_BYTES, NFIELDS, TAG
+from .header import HEADER_BYTES
 from .policy import SMALL_BYTES, choose_transport
 from .schedule import doubling_schedule
 from .transports import create_transport
@@ -53,8 +52,9 @@ class CommState:
         self.header_only = [self.send[:HEADER_BYTES], MPI.BYTE]
         self.heard = [self.recv, MPI.BYTE]
         # Small calls are latency-bound: Python's own overhead is a large part
-        # of a 4 KiB call, so packed headers and buffer views are made once.
-        self._packed = {}
+        # of a 4 KiB call, so packed headers (ringtrain.comm.header.exchange)
+        # and buffer views are made once.
+        self.packed = {}
         self._views = {}
         # Steady-state plans for small CPU calls at 2 ranks (ringtrain.comm.pair),
         # keyed on everything the header says; None where no plan applies.
@@ -155,77 +155,6 @@ class CommState:
                                         [self.send[:end], self.MPI.BYTE],
                                         self.recv[HEADER_BYTES:end].view(dtype))
         return views
-
-    def exchange(self, header, payload, combine, out):
-        """The header exchange, by recursive doubling, with an optional payload.
-
-        Every rank goes through the same rounds whatever its header says, and
-        receives into buffers with room for any header plus the largest small
-        payload, so disagreeing calls cannot truncate, overrun or hang. Each
-        rank keeps the elementwise minimum of ``[fields, -fields]`` over what
-        it has heard; a rank whose minimum still equals its own header heard
-        only agreement, and after the last round everyone has heard from
-        everyone.
-
-        Args:
-            header: ``NFIELDS`` ints.
-            payload: the payload view from :meth:`views`, in ``self.send`` after the header,
-                holding this rank's data, or None to send the header alone.
-            combine: ``f(a, b, out)`` applied lower rank first.
-            out: 1-D NumPy array the result is written to.
-
-        Returns:
-            ``(lowest, highest)`` field values over all ranks.
-        """
-        comm, rank = self.comm, self.rank
-        mine = self._packed.get(header)
-        if mine is None:
-            if len(self._packed) > 1024:  # bounded: headers repeat in training loops
-                self._packed.clear()
-            mine = self._packed[header] = HEADER.pack(*header, *(-v for v in header))
-        self.send_bytes[:HEADER_BYTES] = mine
-        if payload is None:
-            message, theirs = self.header_only, None
-        else:
-            message, theirs = self.views(payload.dtype, payload.size)[1:]
-        heard, received = self.heard, self.recv_bytes[:HEADER_BYTES]
-        agreed = True
-        last = len(self.doubling) - 1
-        for step, (kind, peer) in enumerate(self.doubling):
-            if kind == "send":
-                comm.Send(message, peer, TAG)
-                comm.Recv(heard, peer, TAG)
-                agreed = received.tobytes() == mine
-                if agreed and payload is not None:
-                    out[...] = theirs
-                return self._verdict(agreed, self.recv_header)
-            if kind == "unfold":
-                comm.Send(message, peer, TAG)
-                continue
-            if kind == "exchange":
-                comm.Sendrecv(message, peer, TAG, heard, peer, TAG)
-            else:
-                comm.Recv(heard, peer, TAG)
-            if received.tobytes() != mine:
-                agreed = False
-                np.minimum(self.send_header, self.recv_header, out=self.send_header)
-            if agreed and payload is not None:
-                # On the last round (nothing left to pass on) write the result
-                # straight to its destination: one copy fewer.
-                target = out if step == last else payload
-                if peer < rank:
-                    combine(theirs, payload, out=target)
-                else:
-                    combine(payload, theirs, out=target)
-        if agreed and payload is not None and (last < 0 or self.doubling[last][0] == "unfold"):
-            out[...] = payload
-        return self._verdict(agreed, self.send_header)
-
-    def _verdict(self, agreed, header):
-        if agreed:
-            return None
-        values = header.tolist()
-        return values[:NFIELDS], [-v for v in values[NFIELDS:]]
 
 
 def state_of(comm):
