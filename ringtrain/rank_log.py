@@ -15,7 +15,8 @@ to after a marker line, so the failed run's output is kept.
 import os
 import sys
 
-from .launch import RANK_VARIABLES, RESTART_MARK, rank_from_env
+from .jobs import RESTART_MARK
+from .launch import RANK_VARIABLES, rank_from_env
 
 __all__ = ["rank_from_env", "main"]
 

@@ -25,7 +25,8 @@ import shutil
 import subprocess
 import sys
 
-from ringtrain.launch import find_mpirun, format_hostfile, Host
+from ringtrain.launch import find_mpirun
+from ringtrain.hostfiles import format_hostfile, Host
 
 from mpirun import ROOT, run, test_env
 

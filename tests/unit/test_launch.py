@@ -7,10 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ringtrain import hostfiles as H
+from ringtrain import jobs as J
 from ringtrain import launch as L
 from ringtrain.errors import UsageError
-from ringtrain.launch import Host, check_slots, format_command, format_hostfile, launch_command
-from ringtrain.launch import parse_host_list, parse_hostfile
+from ringtrain.hostfiles import Host, check_slots, format_hostfile, parse_host_list, parse_hostfile
+from ringtrain.launch import format_command, launch_command
 from ringtrain.rank_log import rank_from_env
 
 MPIRUN = "/opt/mpi/bin/mpirun"
@@ -69,7 +71,7 @@ def test_a_file_with_only_comments_lists_no_hosts():
 
 def test_reading_a_missing_hostfile_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="cannot read hostfile"):
-        L.read_hostfile(str(tmp_path / "nope"))
+        H.read_hostfile(str(tmp_path / "nope"))
 
 
 @pytest.mark.parametrize("flavour, text", [
@@ -292,26 +294,26 @@ def test_an_sbatch_script_may_run_the_launcher_but_mpirun_may_not():
 # --- bounds on -np ----------------------------------------------------------------
 
 def test_np_is_bounded_on_one_host_and_oversubscribe_lifts_the_bound():
-    assert L.np_limit(2) == 128 and L.np_limit(None) == 64
-    L.check_np(128, cpu_count=2)
+    assert H.np_limit(2) == 128 and H.np_limit(None) == 64
+    H.check_np(128, cpu_count=2)
     with pytest.raises(UsageError, match=r"^-np 129 is more than 128 ranks \(64 per core on this host's 2 cores\)"
                                          r".*--oversubscribe to run them here anyway$"):
-        L.check_np(129, cpu_count=2)
-    L.check_np(1000, cpu_count=2, oversubscribe=True)
+        H.check_np(129, cpu_count=2)
+    H.check_np(1000, cpu_count=2, oversubscribe=True)
 
 
-@pytest.mark.parametrize("np", [L.MAX_NP + 1, 99999999999999])
+@pytest.mark.parametrize("np", [H.MAX_NP + 1, 99999999999999])
 def test_no_flag_lifts_the_ceiling(np):
-    with pytest.raises(UsageError, match=f"^-np {np} is above ringtrain launch's limit of {L.MAX_NP} ranks"):
-        L.check_np(np, [Host("a", np)], oversubscribe=True)
+    with pytest.raises(UsageError, match=f"^-np {np} is above ringtrain launch's limit of {H.MAX_NP} ranks"):
+        H.check_np(np, [Host("a", np)], oversubscribe=True)
 
 
 def test_np_below_one_and_above_the_slots_are_refused():
     with pytest.raises(UsageError, match="^number of processes must be at least 1, got -3$"):
-        L.check_np(-3)
+        H.check_np(-3)
     with pytest.raises(UsageError, match="^-np 3 needs 3 slots"):
-        L.check_np(3, [Host("a", 2)], cpu_count=64)
-    L.check_np(3, [Host("a", 2)], oversubscribe=True)
+        H.check_np(3, [Host("a", 2)], cpu_count=64)
+    H.check_np(3, [Host("a", 2)], oversubscribe=True)
 
 
 def test_openmpi_oversubscribes_hosts_only_when_asked():
@@ -325,21 +327,21 @@ def test_a_hostfile_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "fifo"
     L.os.mkfifo(fifo)
     with pytest.raises(UsageError, match=r"^cannot read hostfile '.*fifo': it is a FIFO \(named pipe\); "):
-        L.read_hostfile(str(fifo))
+        H.read_hostfile(str(fifo))
 
 
 @pytest.mark.parametrize("path, kind", [("DIR", "a directory"), ("/dev/null", "a character device")])
 def test_a_hostfile_that_is_a_directory_or_a_device_is_named(tmp_path, path, kind):
     path = str(tmp_path) if path == "DIR" else path
     with pytest.raises(UsageError, match=f"^cannot read hostfile '{path}': it is {kind}; "):
-        L.read_hostfile(path)
+        H.read_hostfile(path)
 
 
 def test_a_huge_hostfile_is_refused(tmp_path):
     big = tmp_path / "big"
-    big.write_text("node1:1\n" * (L.MAX_HOSTFILE_BYTES // 8 + 1))
+    big.write_text("node1:1\n" * (H.MAX_HOSTFILE_BYTES // 8 + 1))
     with pytest.raises(UsageError, match="is more than a hostfile's limit of 1,048,576"):
-        L.read_hostfile(str(big))
+        H.read_hostfile(str(big))
 
 
 def test_a_log_directory_that_cannot_be_made_is_refused_first(tmp_path):
@@ -359,33 +361,33 @@ def test_a_log_directory_that_cannot_be_made_is_refused_first(tmp_path):
     (2, 0, False, False), (127, 0, False, False), (126, 0, False, False), (143, 0, True, False),
 ])
 def test_which_failures_are_restarted(status, done, stopped, expected):
-    assert L.should_restart(status, done, 3, stopped) is expected
+    assert J.should_restart(status, done, 3, stopped) is expected
 
 
 def test_the_restart_line():
-    assert L.restart_line(1, 1, 3, 3.0, rank=1) == \
+    assert J.restart_line(1, 1, 3, 3.0, rank=1) == \
         "ringtrain launch: job exited with status 1 (rank 1 failed); restart 1 of 3 in 3s"
-    assert L.restart_line(9, 2, 2, 0.5) == "ringtrain launch: job exited with status 9; restart 2 of 2 in 0.5s"
+    assert J.restart_line(9, 2, 2, 0.5) == "ringtrain launch: job exited with status 9; restart 2 of 2 in 0.5s"
 
 
 def test_restarted_logs_are_read_from_the_last_mark():
     text = "old\nTraceback\nringtrain launch: restart 1\nnew 1\nringtrain launch: restart 2\nnew 2\n"
-    assert L.last_run(text) == "new 2\n"
-    assert L.last_run("plain\n") == "plain\n"
-    assert L.last_run("x\nringtrain launch: restart 3") == ""
+    assert J.last_run(text) == "new 2\n"
+    assert J.last_run("plain\n") == "plain\n"
+    assert J.last_run("x\nringtrain launch: restart 3") == ""
 
 
 def test_the_report_shows_the_first_rank_that_names_an_error():
     lines = [f"step {i}" for i in range(20)]
     logs = {0: "epoch 1\n", 2: "\n".join(lines + ["rank 2: RuntimeError: boom"]), 3: "ringtrain: error: x\n"}
-    rank, shown = L.failure_report(logs)
+    rank, shown = J.failure_report(logs)
     assert rank == 2 and shown == [(2, lines[-9:] + ["rank 2: RuntimeError: boom"])]
 
 
 def test_without_an_error_the_report_shows_every_non_empty_log():
-    rank, shown = L.failure_report({0: "a\nb\n", 1: "", 2: "c\n"}, lines=1)
+    rank, shown = J.failure_report({0: "a\nb\n", 1: "", 2: "c\n"}, lines=1)
     assert rank is None and shown == [(0, ["b"]), (2, ["c"])]
-    assert L.format_failure_report("/l", shown) == [
+    assert J.format_failure_report("/l", shown) == [
         "ringtrain launch: last 1 line(s) of /l/rank-0.log:", "    b",
         "ringtrain launch: last 1 line(s) of /l/rank-2.log:", "    c"]
 
@@ -412,8 +414,8 @@ def test_restart_flags_are_checked(fake_mpi, restarts, delay, message):
 # --- --check ------------------------------------------------------------------------
 
 def test_check_names_a_host_that_does_not_resolve_and_passes_this_machine():
-    assert L.check_host("no-such-host.invalid") == \
+    assert H.check_host("no-such-host.invalid") == \
         "host no-such-host.invalid: does not resolve (check the hostfile or /etc/hosts)"
-    assert L.check_host("localhost") is None
-    assert L.check_hosts([Host("localhost", 2), Host("x.invalid", 1), Host("localhost", 1)]) == \
+    assert H.check_host("localhost") is None
+    assert H.check_hosts([Host("localhost", 2), Host("x.invalid", 1), Host("localhost", 1)]) == \
         ["host x.invalid: does not resolve (check the hostfile or /etc/hosts)"]

@@ -1,0 +1,261 @@
+"""Running a launched job: passing signals on, waiting, restarting, and saying why it failed.
+
+The decisions (which exit statuses are worth a restart, the restart line,
+which rank log explains a failure) are pure functions; :func:`run_with_restarts`
+is the part that starts processes. Imports only the standard library and
+:mod:`ringtrain.errors`.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "failure_report",
+           "format_failure_report", "read_rank_logs", "Forwarder", "run_job", "run_with_restarts",
+           "STOP_SIGNALS", "FORWARDED"]
+
+
+# --- restarts and failure reports (pure) --------------------------------------
+
+# Statuses a restart cannot fix: 2 is a usage error (a bad flag or file, the
+# same on the next run); 126 and 127 are a command that cannot be run.
+NO_RESTART_STATUSES = (2, 126, 127)
+
+
+def exit_status(returncode):
+    """A Popen return code as a shell reports it: ``128 + signal`` when killed (pure)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def should_restart(status, restarts_done, max_restarts, stopped=False):
+    """Whether a job that ended with ``status`` is started again (pure).
+
+    Not after success, a usage error or a command that cannot run, not when
+    the user stopped the launcher (``stopped``), and at most ``max_restarts`` times.
+    """
+    return (status != 0 and status not in NO_RESTART_STATUSES and not stopped
+            and restarts_done < max_restarts)
+
+
+def restart_line(status, restart, max_restarts, delay, rank=None):
+    """The one line printed before restart number ``restart`` (pure)."""
+    why = f" (rank {rank} failed)" if rank is not None else ""
+    return (f"ringtrain launch: job exited with status {status}{why}; "
+            f"restart {restart} of {max_restarts} in {delay:g}s")
+
+
+RESTART_MARK = "ringtrain launch: restart "
+# What a rank that failed writes: a traceback, ringtrain's 'rank R: SomeError: ...'
+# and 'error: ...' lines, a watchdog's 'did not finish within', MPI's aborts.
+_ERROR = re.compile(r"Traceback|\w(Error|Exception)\b|\berror:|did not finish within|\bKilled\b|\babort",
+                    re.IGNORECASE)
+
+
+def last_run(text):
+    """The part of a rank log written by the latest run; restarts append after a mark (pure)."""
+    at = text.rfind(RESTART_MARK)
+    if at < 0:
+        return text
+    end = text.find("\n", at)
+    return "" if end < 0 else text[end + 1:]
+
+
+def failure_report(logs, lines=10, max_ranks=4):
+    """Which rank failed and the log lines that show why (pure).
+
+    Args:
+        logs: ``{rank: text of the latest run}`` for the rank logs this host can read.
+        lines: how many lines to show from each log.
+        max_ranks: how many logs to show when none names an error.
+
+    Returns:
+        ``(rank, [(rank, last lines), ...])``: the lowest rank whose log
+        names an error and its last lines; or, when none does, ``None`` and
+        the last lines of the first ``max_ranks`` non-empty logs.
+    """
+    def tail(text):
+        return text.splitlines()[-lines:]
+    for rank in sorted(logs):
+        if _ERROR.search(logs[rank]):
+            return rank, [(rank, tail(logs[rank]))]
+    shown = [(rank, tail(logs[rank])) for rank in sorted(logs) if logs[rank].strip()]
+    return None, shown[:max_ranks]
+
+
+def format_failure_report(logdir, shown):
+    """The report's lines: a header per log, then its lines indented (pure)."""
+    out = []
+    for rank, tail in shown:
+        out.append(f"ringtrain launch: last {len(tail)} line(s) of {os.path.join(logdir, f'rank-{rank}.log')}:")
+        out += ["    " + line for line in tail]
+    return out
+
+
+def read_rank_logs(logdir):
+    """``{rank: text of the latest run}`` for every ``rank-R.log`` in ``logdir``."""
+    logs = {}
+    try:
+        names = os.listdir(logdir)
+    except OSError:
+        return logs
+    for name in names:
+        match = re.fullmatch(r"rank-([0-9]+)\.log", name)
+        if match:
+            try:
+                with open(os.path.join(logdir, name), encoding="utf-8", errors="replace") as f:
+                    logs[int(match.group(1))] = last_run(f.read())
+            except OSError:
+                continue
+    return logs
+
+
+# --- running it -------------------------------------------------------------
+
+# Signals the user sends to stop a job, and the one passed on as it is
+# (SIGUSR1: programs use it for "checkpoint now"). mpiexec forwards each to
+# every rank, on every host.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = STOP_SIGNALS + (signal.SIGUSR1,)
+# After a stop signal, how long ranks may take to end before mpiexec is told
+# to abort (a second SIGINT is "force abort" to Hydra and Open MPI alike), and
+# how long after that before mpiexec itself is killed.
+FORCE_AFTER = 30.0
+KILL_AFTER = 10.0
+
+
+class Forwarder:
+    """While installed, passes the launcher's signals on to the running job.
+
+    mpiexec runs in its own session, so a Ctrl-C at the terminal reaches only
+    the launcher and is passed on once: Hydra takes a second SIGINT as "force
+    abort", so a job that saw the terminal's signal and ours would be killed
+    without its chance to end cleanly.
+    """
+
+    def __init__(self):
+        self.proc = None
+        self.stopped = None  # the first stop signal received, if any
+        self.stopped_at = None
+        self._saved = {}
+
+    def __enter__(self):
+        # Python lets only the main thread set handlers; elsewhere (launch()
+        # called from a library's thread) signals keep their old meaning.
+        if threading.current_thread() is threading.main_thread():
+            for signum in FORWARDED:
+                self._saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._saved.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum, frame):
+        if signum in STOP_SIGNALS and self.stopped is None:
+            self.stopped, self.stopped_at = signum, time.monotonic()
+        # SIGHUP becomes SIGTERM: in its own session mpiexec has no terminal to lose.
+        self.send(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    def send(self, signum):
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _die_with_launcher():
+    """In the child before exec: SIGTERM mpiexec if the launcher dies (SIGKILL, OOM) first."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, Linux only
+    except (OSError, AttributeError):
+        pass
+
+
+def _wait(proc, forwarder):
+    """Wait for mpiexec to end; force it if it outlives a stop signal too long."""
+    forced = False
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if forwarder.stopped is None:
+            continue
+        waited = time.monotonic() - forwarder.stopped_at
+        if waited > FORCE_AFTER + KILL_AFTER:
+            proc.kill()
+        elif waited > FORCE_AFTER and not forced:
+            forced = True
+            forwarder.send(signal.SIGINT)
+            forwarder.send(signal.SIGINT)
+
+
+def run_job(args, env, forwarder):
+    """Start mpiexec, pass signals on while it runs, and return its exit status."""
+    if forwarder.stopped is not None:
+        return 128 + forwarder.stopped
+    use_pdeathsig = sys.platform.startswith("linux")
+    forwarder.proc = subprocess.Popen(args, env=env, start_new_session=True,
+                                      preexec_fn=_die_with_launcher if use_pdeathsig else None)
+    try:
+        if forwarder.stopped is not None:  # a signal came while it was starting
+            forwarder.send(forwarder.stopped)
+        return exit_status(_wait(forwarder.proc, forwarder))
+    finally:
+        forwarder.proc = None
+
+
+def _sleep_unless_stopped(seconds, forwarder):
+    """Sleep, but wake within 0.1 s of a stop signal; True when stopped."""
+    end = time.monotonic() + seconds
+    while forwarder.stopped is None and time.monotonic() < end:
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+    return forwarder.stopped is not None
+
+
+def _report_failure(logdir, stderr):
+    """Print the failing rank's last lines from the rank logs; returns the rank, if known."""
+    if logdir is None:
+        return None
+    rank, shown = failure_report(read_rank_logs(logdir))
+    for line in format_failure_report(logdir, shown):
+        print(line, file=stderr)
+    stderr.flush()
+    return rank
+
+
+def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
+    """Run the job, and again after each failure a restart may fix, up to ``max_restarts`` times.
+
+    Args:
+        args_for: ``args_for(restart)`` is the job's command line for attempt ``restart`` (0 first).
+        env: the job's environment.
+        logdir: the per-rank log directory (``-o``), or None.
+        max_restarts: how many times a failed job may be started again.
+        delay: seconds to wait before each restart.
+        stderr: where the launcher's own lines go.
+
+    Returns:
+        The last attempt's exit status.
+    """
+    with Forwarder() as forwarder:
+        restart = 0
+        while True:
+            status = run_job(args_for(restart), env, forwarder)
+            stopped = forwarder.stopped is not None
+            if status == 0 or stopped:
+                return status
+            rank = _report_failure(logdir, stderr)
+            if not should_restart(status, restart, max_restarts, stopped):
+                return status
+            restart += 1
+            print(restart_line(status, restart, max_restarts, delay, rank), file=stderr, flush=True)
+            if _sleep_unless_stopped(delay, forwarder):
+                return status
