@@ -24,6 +24,7 @@ __all__ = [
     "xp_for",
     "synchronize",
     "use_device",
+    "device_of",
     "device_buffer",
     "ipc_handle",
     "open_ipc",
@@ -103,6 +104,11 @@ def synchronize(x):
     """
     if is_gpu_array(x):
         _cupy.cuda.get_current_stream().synchronize()
+
+
+def device_of(x):
+    """The GPU index ``x`` lives on, or None for a NumPy array."""
+    return int(x.device.id) if is_gpu_array(x) else None
 
 
 def use_device(index):

@@ -105,6 +105,7 @@ class Reducer:
         self.op, self.algorithm, self.compression = op, algorithm, compression
         self.trace = trace
         self.names, self.arrays = names, items
+        self._device = backend.device_of(items[0]) if items else None
         self._index = {name: i for i, name in enumerate(names)}
         size = self.state.size
         self.buckets = [_Bucket(b, items, travels_as_fp16(np.dtype(items[b[0]].dtype), compression, size))
@@ -241,6 +242,8 @@ class Reducer:
             self._error = exc
 
     def _serve(self):
+        # CuPy's current device is per thread: reduce on the device the gradients live on.
+        backend.use_device(self._device)
         while True:
             job = self._jobs.get()
             if job is None:
