@@ -186,8 +186,14 @@ def _find_on_root(comm, cfg, run_dir, params, log):
         try:
             found = find_checkpoint(cfg.resume, run_dir, log.warn)
             if found is not None:
-                notice = _check_settings(found, cfg, comm.Get_size(), log.warn)
+                # The recorded settings name a difference best ("trained with --hidden 8"); without
+                # them, a model that does not fit is still the clearer thing to say.
+                recorded = isinstance(found[2].get("config"), dict)
+                if recorded:
+                    notice = _check_settings(found, cfg, comm.Get_size(), log.warn)
                 _check_fits(found, params)
+                if not recorded:
+                    _check_meta(found[0], found[2])
         except UsageError as exc:
             problem = str(exc)
     agree(comm, problem)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mpirun import ROOT, mpirun, ringtrain, run, show
+from ringtrain import build_model
 from ringtrain.checkpoint import list_checkpoints, save_checkpoint
 
 FAULTY = os.path.join(ROOT, "tests", "cli", "programs", "faulty_train.py")
@@ -128,7 +129,9 @@ def test_a_different_rank_count_is_refused_for_auto_and_a_warning_for_an_explici
 
 
 def test_a_checkpoint_without_ringtrain_metadata_is_one_line(tmp_path):
-    path = save_checkpoint(tmp_path / "lib", 3, {"params/fc1.weight": np.zeros((8, 8), np.float32)})
+    # The model's own parameters, saved through the library without the trainer's metadata.
+    model = build_model("mlp", 8, 3, hidden=(8,))
+    path = save_checkpoint(tmp_path / "lib", 3, {f"params/{k}": np.asarray(v) for k, v in model.params.items()})
     result = train(tmp_path / "run", "--resume", path)
     one_error(result, f"checkpoint {path} has no training metadata", "--resume none")
 
