@@ -502,7 +502,24 @@ def _warn_default(message):
     warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
-def latest_valid_checkpoint(directory, warn=None):
+def _peek_meta(path):
+    """The metadata of a checkpoint, read without verifying anything; None if it cannot be read.
+
+    Cheap (one small zip member): it lets a caller pass over checkpoints it
+    does not want before paying for the full checksum.
+    """
+    try:
+        with open_regular(path, "checkpoint", error=CheckpointError) as f, zipfile.ZipFile(f) as zf:
+            if zf.getinfo(META_KEY + ".npy").file_size > (16 << 20):  # metadata is a few KiB
+                return None
+            with zf.open(META_KEY + ".npy") as member:
+                meta = json.loads(np.lib.format.read_array(member, allow_pickle=False).tobytes().decode("utf-8"))
+        return meta if isinstance(meta, dict) else None
+    except Exception:  # noqa: BLE001 - anything unreadable is left to read_checkpoint to name
+        return None
+
+
+def latest_valid_checkpoint(directory, warn=None, accept=None):
     """Find the newest checkpoint in ``directory`` that verifies.
 
     Walks the checkpoints newest first; each damaged one is reported through
@@ -514,6 +531,9 @@ def latest_valid_checkpoint(directory, warn=None):
         directory: a checkpoints directory.
         warn: called with one line per problem; default
             :func:`warnings.warn` with :class:`CheckpointWarning`.
+        accept: if given, a predicate on a checkpoint's metadata: those it
+            rejects are passed over in silence (they are whole, just not
+            wanted, e.g. another lineage's).
 
     Returns:
         ``(path, arrays, metadata)``, or ``None`` when no checkpoint verifies.
@@ -523,6 +543,9 @@ def latest_valid_checkpoint(directory, warn=None):
     for temp in _stale_temporaries(directory):
         warn(f"ignoring {temp}: a temporary file left by an interrupted save")
     paths = list_checkpoints(directory)
+    if accept is not None:
+        peeked = {path: _peek_meta(path) for path in paths}
+        paths = [path for path in paths if peeked[path] is None or accept(peeked[path])]
     for index, path in enumerate(paths):
         try:
             arrays, meta = read_checkpoint(path)
@@ -531,6 +554,8 @@ def latest_valid_checkpoint(directory, warn=None):
                 "no older checkpoint to fall back to"
             )
             warn(f"skipping damaged {exc}; {rest}")
+            continue
+        if accept is not None and not accept(meta):
             continue
         return path, arrays, meta
     return None

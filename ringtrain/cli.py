@@ -1,8 +1,13 @@
 """The ``ringtrain`` command: one subcommand per module in :mod:`ringtrain.commands`.
 
-Every rank parses the same arguments, so a bad flag is found on every rank at
-once: rank 0 prints one line, every rank exits with status 2, and no rank is
-left waiting in a collective.
+A bad flag is one line and exit status 2 on every rank, and no rank is left
+waiting in a collective, even when the ranks were given different command
+lines (``mpirun -np 1 A : -np 1 B``, a ``--config`` file that one host lacks).
+A command whose run is collective (it defines ``prepare``) is checked in two
+halves: every rank parses and checks its own input, and then every rank, the
+ones that failed included, meets at one agreement before any other
+collective. One verdict comes out of it: rank 0 prints the problem once
+(naming the rank that saw it when the ranks differ) and every rank exits 2.
 """
 
 import argparse
@@ -16,7 +21,9 @@ from .failure import abort_on_error
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 # name -> module under ringtrain.commands; each module defines HELP,
-# add_arguments(parser) and run(args) -> exit status.
+# add_arguments(parser) and run(args) -> exit status. A collective command
+# also defines prepare(args) -> what run needs (its input checks, raising
+# UsageError), and its run takes (args, prepared).
 COMMANDS = {
     "info": "info",
     "train": "train",
@@ -50,8 +57,63 @@ def build_parser():
         module = _load(name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _prepare=getattr(module, "prepare", None))
     return parser
+
+
+def _command_of(argv):
+    # The top-level options (--help, --version) take no value, so the first
+    # word that is not an option names the command.
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _is_collective(name):
+    return name in COMMANDS and hasattr(_load(name), "prepare")
+
+
+# What a rank that printed --help (or --version) reports to the agreement.
+_HELP = "asked for --help instead of a run; give every rank the same command line"
+
+
+def _main_collective(argv):
+    """Parse and check on this rank, agree with every rank, then run (collective)."""
+    from mpi4py import MPI
+
+    from .failure import verdict_of
+    from .watchdog import Watchdog
+
+    comm = MPI.COMM_WORLD
+    args = prepared = problem = None
+    try:
+        args = build_parser().parse_args(argv)
+        prepared = args._prepare(args)
+    except UsageError as exc:
+        problem = str(exc)
+    except SystemExit as exc:  # --help or --version was printed
+        if exc.code not in (None, 0):
+            raise
+        problem = _HELP
+    # The one agreement point: every rank reaches it, whatever it found, and
+    # nothing collective happens before it. Watched, so a rank that never
+    # arrives (stuck reading its --config) ends the job within --timeout.
+    dog = Watchdog(comm, getattr(prepared, "timeout", None) or _default_timeout())
+    try:
+        with dog.watch("start-up: settings agreement"):
+            problems = comm.allgather(problem)
+    finally:
+        dog.close()
+    if all(p == _HELP for p in problems):
+        return 0
+    verdict = verdict_of(problems)
+    if verdict is not None:
+        raise UsageError(verdict, everywhere=True)
+    return args._run(args, prepared) or 0
+
+
+def _default_timeout():
+    from .training.config import TrainConfig
+
+    return TrainConfig.timeout
 
 
 def _rank0():
@@ -65,8 +127,11 @@ def _rank0():
 
 def main(argv=None):
     """Entry point of ``ringtrain`` and ``python -m ringtrain``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         with abort_on_error():
+            if _is_collective(_command_of(argv)):
+                return _main_collective(argv)
             args = build_parser().parse_args(argv)
             if args.command is None:
                 raise UsageError("no command given; choose one of " + ", ".join(COMMANDS), everywhere=True)

@@ -18,7 +18,7 @@ import traceback
 
 from .errors import UsageError
 
-__all__ = ["agree", "abort_on_error", "describe"]
+__all__ = ["agree", "verdict_of", "abort_on_error", "describe"]
 
 
 def describe(exc):
@@ -42,13 +42,25 @@ def agree(comm, problem):
     Raises:
         UsageError: on every rank (``everywhere=True``) if any rank reported a
             problem; the message is the lowest such rank's, naming that rank
-            when there is more than one rank.
+            unless every rank reported the very same problem.
     """
-    problems = comm.allgather(problem)
+    verdict = verdict_of(comm.allgather(problem))
+    if verdict is not None:
+        raise UsageError(verdict, everywhere=True)
+
+
+def verdict_of(problems):
+    """One line from every rank's problem (a list indexed by rank), or None if there are none (pure).
+
+    The lowest rank's problem wins. It names that rank when the ranks saw
+    different things, since the rank that printed may not be the one that
+    found it; a problem every rank saw alike needs no rank.
+    """
     for rank, found in enumerate(problems):
         if found is not None:
-            where = f"rank {rank}: " if comm.Get_size() > 1 else ""
-            raise UsageError(where + found, everywhere=True)
+            same = all(p == found for p in problems)
+            return found if same else f"rank {rank}: {found}"
+    return None
 
 
 @contextlib.contextmanager

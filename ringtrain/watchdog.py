@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-__all__ = ["Watchdog", "left_neighbour"]
+__all__ = ["Watchdog", "WatchedComm", "left_neighbour"]
 
 
 def left_neighbour(rank, size):
@@ -110,3 +110,36 @@ class _Armed:
     def __exit__(self, *exc):
         self._dog.disarm()
         return False
+
+
+class WatchedComm:
+    """``comm`` with each of its collectives under ``dog``, for code that makes collectives of its own.
+
+    Start-up hands this to functions such as
+    :func:`ringtrain.datasets.load_sharded` that take a communicator and talk
+    through it between stretches of local work (reading files). Only the time
+    spent inside a collective is watched, never the reading: a rank that
+    stalls in its own work arms nothing and prints nothing, while every rank
+    waiting for it names the operation, so here too the stalled rank is the
+    one that printed no line. Everything else (``Get_rank``, ``Get_size``)
+    passes straight through.
+    """
+
+    # The lower-case (pickle) and buffer collectives of mpi4py's Comm.
+    COLLECTIVES = frozenset({"allgather", "allreduce", "alltoall", "barrier", "bcast", "gather", "reduce", "scatter",
+                             "Allgather", "Allgatherv", "Allreduce", "Barrier", "Bcast", "Gather", "Reduce",
+                             "Reduce_scatter", "Scatter"})
+
+    def __init__(self, comm, dog, what):
+        self._comm, self._dog, self._what = comm, dog, what
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if name not in self.COLLECTIVES:
+            return attr
+
+        def watched(*args, **kwargs):
+            with self._dog.watch(f"{self._what} ({name})"):
+                return attr(*args, **kwargs)
+
+        return watched

@@ -6,10 +6,16 @@ FILE`` (TOML or YAML) sets the same names, and flags override the file.
 
 import argparse
 import dataclasses
+import sys
 
-from ..training.config import FIELDS, TrainConfig, flag_name, load_config_file, parse_ints, resolve, type_name
+from ..training.config import (FIELDS, TrainConfig, flag_name, load_config_file, parse_ints, resolve, type_name,
+                               validate)
 
 HELP = "train a model data-parallel (run under mpirun -np N)"
+
+# The exit status of a run that trained to its end but could not write its
+# final checkpoint: neither success (0) nor a crash (1) nor bad input (2).
+FINAL_CHECKPOINT_MISSING = 3
 
 
 def add_arguments(parser):
@@ -42,9 +48,29 @@ def config_from_args(args):
     return resolve(flags, file_settings)
 
 
-def run(args):
+def prepare(args):
+    """This rank's half of the input checks: the configuration, resolved and validated.
+
+    Runs on every rank before any collective, and raises UsageError; the
+    command line then has every rank agree on the verdict (see
+    :mod:`ringtrain.cli`). The paths only rank 0 touches (``--run-dir``,
+    ``--resume``, ``--timeline``) are left to rank 0, inside :func:`train`.
+    """
+    return validate(config_from_args(args), root=False)
+
+
+def run(args, cfg):
+    """Train; the exit status is 0, or FINAL_CHECKPOINT_MISSING when the run's end is not on disk."""
     from ..training.loop import train
 
-    cfg = config_from_args(args)
-    train(cfg)
-    return 0
+    result = train(cfg)
+    if result.checkpoint is not None:
+        return 0
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        newest = (f"the newest checkpoint on disk is {result.newest_checkpoint}" if result.newest_checkpoint
+                  else "there is no checkpoint of this run on disk")
+        print(f"ringtrain: error: the final checkpoint (step {result.step}) was not written; {newest}",
+              file=sys.stderr, flush=True)
+    return FINAL_CHECKPOINT_MISSING

@@ -13,10 +13,10 @@ import os
 from ..comm.policy import ALGORITHMS
 from ..errors import UsageError
 from ..models import MODELS
-from ..safeio import MiB, TiB, human_bytes, one_line, read_regular
+from ..safeio import MiB, TiB, file_kind, human_bytes, one_line, os_reason, read_regular
 
-__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "MODEL_OPTIONS", "FIELDS", "LIMITS", "type_name",
-           "flag_name", "parse_ints", "to_json"]
+__all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "MODEL_OPTIONS", "FIELDS", "LIMITS",
+           "type_name", "flag_name", "parse_ints", "to_json", "RESUME_RULES", "resume_differences", "timeline_problem"]
 
 # Bounds a real run stays far inside, checked before anything is allocated so
 # that a typo (an extra zero, 1e10 for 1e1) is one line, not an out-of-memory
@@ -107,6 +107,82 @@ MUST_MATCH = ("dataset", "model", "hidden", "channels", "kernel", "epochs", "bat
               "fp16_allreduce", "shard_optimizer", "allreduce", "device", "resume", "eval_every", "log_every")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# What a resumed run may change. Each setting is one of:
+#   "match":  it shapes the model, the data, the data order or the optimizer
+#             state the checkpoint holds; a difference is refused, since the
+#             run would go on from a state that is not its own.
+#   "future": it only steers what happens from here on; a difference is
+#             allowed and listed in one notice line.
+#   "where":  where this run lives or how it was started; never compared.
+RESUME_RULES = {
+    "dataset": ("match", "the data itself"),
+    "model": ("match", "the parameters' shapes and meaning"),
+    "hidden": ("match", "the parameters' shapes"),
+    "channels": ("match", "the cnn's parameters' shapes"),
+    "kernel": ("match", "the cnn's parameters' shapes"),
+    "seed": ("match", "the held-out rows, the synthetic data and every epoch's shuffle"),
+    "batch_size": ("match", "the data order and the position within an epoch"),
+    "samples": ("match", "the synthetic data (and so the steps per epoch)"),
+    "features": ("match", "the synthetic data and the input layer"),
+    "classes": ("match", "the synthetic data and the output layer"),
+    "test_fraction": ("match", "which rows are trained on"),
+    "drop_last": ("match", "the shards' contents and the steps per epoch"),
+    "optimizer": ("match", "the optimizer state's kind"),
+    "momentum": ("match", "the velocity held in the optimizer state is an average under this momentum"),
+    "weight_decay": ("match", "the optimizer state was accumulated under it"),
+    # Only the learning rate follows from it, and the learning rate may change.
+    "scale_lr": ("future", "the learning rate from here on"),
+    "epochs": ("future", "how long the run goes on"),
+    "max_steps": ("future", "how long the run goes on"),
+    "max_time": ("future", "how long this job goes on"),
+    "lr": ("future", "the step size from here on"),
+    "warmup_steps": ("future", "the learning rate from here on"),
+    "log_every": ("future", "logging"),
+    "eval_every": ("future", "evaluation"),
+    "checkpoint_every": ("future", "when checkpoints are written"),
+    "keep": ("future", "how many checkpoints are kept"),
+    "timeout": ("future", "the watchdog"),
+    "nonfinite": ("future", "what a non-finite step does"),
+    "max_nonfinite": ("future", "what a non-finite step does"),
+    # How gradients are averaged: the state is the same; the arithmetic of
+    # later steps may differ in the last bits (fp16 on the wire, another order).
+    "overlap": ("future", "how gradients are averaged"),
+    "allreduce": ("future", "how gradients are averaged"),
+    "shard_optimizer": ("future", "how the optimizer step is split across ranks"),
+    "bucket_mb": ("future", "how gradients are averaged"),
+    "fp16_allreduce": ("future", "how gradients are averaged"),
+    "device": ("future", "where the arithmetic runs; checkpoints hold host arrays"),
+    "timeline": ("future", "a trace of this job"),
+    "run_dir": ("where", "where this run lives"),
+    "resume": ("where", "how this run was started"),
+    "progress": ("where", "the terminal display"),
+}
+
+
+def resume_differences(saved, cfg):
+    """Compare a checkpoint's configuration with this run's (pure).
+
+    Args:
+        saved: the checkpoint's ``meta["config"]`` (JSON: lists for tuples).
+            A setting it lacks (an older ringtrain) is not compared.
+        cfg: this run's :class:`TrainConfig`.
+
+    Returns:
+        ``(refused, changed)``: the first "match" setting that differs as
+        ``(name, saved value, this run's value, why)`` or None, and the list
+        of ``(name, saved value, this run's value)`` for "future" settings.
+    """
+    now = to_json(cfg)
+    refused, changed = None, []
+    for name, (rule, why) in RESUME_RULES.items():
+        if rule == "where" or name not in saved or saved[name] == now[name]:
+            continue
+        if rule == "match" and refused is None:
+            refused = (name, saved[name], now[name], why)
+        elif rule == "future":
+            changed.append((name, saved[name], now[name]))
+    return refused, changed
 
 
 def type_name(field):
@@ -247,8 +323,15 @@ def resolve(flags, file_settings=None):
     return TrainConfig(**values)
 
 
-def validate(cfg):
-    """Raise a one-line UsageError (on every rank) for the first bad value in ``cfg``."""
+def validate(cfg, root=True):
+    """Raise a one-line UsageError for the first bad value in ``cfg``.
+
+    Args:
+        cfg: the configuration.
+        root: also check the paths only rank 0 touches (``--resume``,
+            ``--run-dir``, ``--timeline``); pass False on the other ranks,
+            whose file systems may not have them.
+    """
 
     def bad(name, problem):
         raise UsageError(f"{flag_name(name)}: {problem}", everywhere=True)
@@ -294,11 +377,44 @@ def validate(cfg):
         choices = FIELDS[name].metadata["choices"]
         if getattr(cfg, name) not in choices:
             bad(name, f"unknown value {getattr(cfg, name)!r}; choose one of {', '.join(choices)}")
+    if root:
+        _check_root_paths(cfg, bad)
+    return cfg
+
+
+def _check_root_paths(cfg, bad):
+    """The paths only rank 0 reads or writes: checked there alone, and the verdict shared."""
     if cfg.resume not in ("auto", "none") and not os.path.exists(cfg.resume):
         bad("resume", f"no checkpoint at {cfg.resume!r}; give a checkpoint file, a run directory, auto or none")
     if cfg.run_dir is not None and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
         bad("run_dir", f"{cfg.run_dir!r} exists and is not a directory")
-    return cfg
+    if cfg.timeline is not None:
+        problem = timeline_problem(cfg.timeline)
+        if problem:
+            bad("timeline", problem)
+
+
+def timeline_problem(path):
+    """Why the timeline could not be written to ``path`` at the end of the run, or None.
+
+    Checked at the start so that a typo costs nothing, not a whole run's
+    timeline: the directory must exist and be writable, and the path, if it
+    exists, must be a regular file (a FIFO would block the write at the end).
+    """
+    try:
+        kind = file_kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        kind = None
+    except OSError as exc:
+        return f"{path}: {os_reason(exc)}"
+    if kind is not None:
+        return f"{path} is {kind}; give a file name"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"{path}: directory {directory} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{path}: cannot write in {directory} (permission denied)"
+    return None
 
 
 def _check_sizes(cfg, bad):

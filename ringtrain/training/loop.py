@@ -16,26 +16,28 @@ checkpoints; on resume it reads the checkpoint and broadcasts it.
 
 import dataclasses
 import math
+import os
 import sys
 import time
 
 import numpy as np
 
 from .. import backend
-from ..checkpoint import CheckpointError, save_checkpoint
+from ..checkpoint import CheckpointError, list_checkpoints, save_checkpoint
 from ..datasets import load_sharded
 from ..errors import UsageError
 from ..failure import agree
 from ..models import build_model, flat_layout, takes_option
 from ..optim import build_optimizer, learning_rate, scaled_lr
+from ..safeio import os_reason
 from ..sharding import EpochPlan
 from ..topology import TaskSpec
-from ..watchdog import Watchdog, left_neighbour
-from .config import MODEL_OPTIONS, to_json, validate
+from ..watchdog import WatchedComm, Watchdog, left_neighbour
+from .config import MODEL_OPTIONS, TrainConfig, to_json, validate
 from .evaluate import reduce_eval
 from .meter import Meter, epoch_line
 from .replicas import check_params_everywhere, check_same_params, check_same_settings
-from .resume import resume
+from .resume import resume, write_lineage
 from .runlog import RunLog, default_run_dir
 from .strategy import STOP_REASONS, Phases, Slot, choose_strategy
 from .timeline import Timeline
@@ -54,6 +56,8 @@ class TrainResult:
     eval: dict            # the last eval event: loss, accuracy (empty if none ran)
     run_dir: str
     stopped: str          # "done", "max_time" or "max_steps"
+    checkpoint: str = None         # the final checkpoint's path; None when it could not be written
+    newest_checkpoint: str = None  # when it could not: this run's newest checkpoint still on disk, or None
 
 
 def train(cfg, comm=None, *, model=None, stream=None):
@@ -72,57 +76,100 @@ def train(cfg, comm=None, *, model=None, stream=None):
         stream: where rank 0 prints (default stdout).
 
     Returns:
-        A :class:`TrainResult`, on every rank.
+        A :class:`TrainResult`, on every rank. Its ``checkpoint`` is None
+        when the final checkpoint could not be written (the command line
+        then exits non-zero).
     """
     from mpi4py import MPI
 
     comm = comm if comm is not None else MPI.COMM_WORLD
-    validate(cfg)
-    check_same_settings(comm, cfg)
-    spec = TaskSpec.from_mpi(comm)
-    with spec.limited_threads() as threads:
-        run = _start(cfg, comm, spec, model, stream, threads)
-        return run.loop()
+    # Every collective from here to the end is watched: a rank that stalls
+    # anywhere ends the job within --timeout, naming the operation.
+    dog = Watchdog(comm, cfg.timeout if _usable_timeout(cfg.timeout) else TrainConfig.timeout)
+    try:
+        # The first collective: every rank's verdict on the values, plus
+        # rank 0's on the paths that only it touches.
+        problem = None
+        try:
+            validate(cfg, root=comm.Get_rank() == 0)
+        except UsageError as exc:
+            problem = str(exc)
+        with _starting(dog, "settings agreement"):
+            agree(comm, problem)
+            check_same_settings(comm, cfg)
+        with _starting(dog, "topology allgather"):
+            spec = TaskSpec.from_mpi(comm)
+        with spec.limited_threads() as threads:
+            run = _start(cfg, comm, spec, model, stream, threads, dog)
+            return run.loop()
+    finally:
+        dog.close()
 
 
-def _start(cfg, comm, spec, model, stream, threads):
+def _usable_timeout(value):
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _starting(dog, what):
+    return dog.watch(f"start-up: {what}")
+
+
+def _start(cfg, comm, spec, model, stream, threads, dog):
     """Everything before the first step (collective): device, data, model, optimizer, resume, strategy."""
     problem = None
     try:
         xp = backend.xp_for(cfg.device)
     except ValueError as exc:
         problem = str(exc)
-    agree(comm, problem)
+    with _starting(dog, "device agreement"):
+        agree(comm, problem)
     backend.use_device(spec.device)
-    data = load_sharded(cfg.dataset, comm, seed=cfg.seed, test_fraction=cfg.test_fraction,
-                        samples=cfg.samples, features=cfg.features, classes=cfg.classes)
+    # Only its collectives are watched, not the reading between them.
+    data = load_sharded(cfg.dataset, WatchedComm(comm, dog, "start-up: data loading"), seed=cfg.seed,
+                        test_fraction=cfg.test_fraction, samples=cfg.samples, features=cfg.features,
+                        classes=cfg.classes)
     plan = EpochPlan.for_shard(data, comm, batch_size=cfg.batch_size, seed=cfg.seed, drop_last=cfg.drop_last)
     model = model if model is not None else _build_model(cfg, data, xp)
-    check_same_params(comm, model.params)
+    with _starting(dog, "model check"):
+        check_same_params(comm, model.params)
     lr = scaled_lr(cfg.lr, comm.Get_size(), cfg.scale_lr)
     layout = flat_layout(model)
     # State laid out like the model's flat buffers, so a rank can update just its shard.
     opt = build_optimizer(cfg.optimizer, model.params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                           order=layout.order if layout is not None else None)
-    run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
+    with _starting(dog, "run directory broadcast"):
+        run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
     log = RunLog(run_dir, spec.is_master, stream=stream)
-    agree(comm, log.claim())  # a directory another live job holds: refused before it is read or written
+    with _starting(dog, "run directory agreement"):
+        agree(comm, log.claim())  # a directory another live job holds: refused before it is read or written
     if xp is not np and backend.kernel_cache_cold():
         log.print("ringtrain: compiling GPU kernels for the first run on this machine (CuPy caches them; later "
                   "runs start in seconds)")
     if threads is not None:
         log.print(f"ringtrain: {threads} BLAS thread(s) per rank ({spec.local_size} rank(s) on this host; "
                   "set OMP_NUM_THREADS to choose)")
-    position = resume(comm, cfg.resume, run_dir, model.params, opt, log)
+    position, lineage, resumed_from = resume(comm, cfg, run_dir, model.params, opt, log, dog)
     problem = None
     try:
         log.open(to_json(dataclasses.replace(cfg, run_dir=run_dir)))
+        if spec.is_master:
+            _new_lineage_notice(cfg, run_dir, resumed_from, log)
+            write_lineage(run_dir, lineage)  # before the first checkpoint of the lineage can exist
     except OSError as exc:  # only rank 0 writes, so the others must hear of it before the first step
         problem = f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc})"
     except UsageError as exc:  # another job took the directory after claim()
         problem = str(exc)
-    agree(comm, problem)
-    return _Run(cfg, comm, spec, data, plan, model, opt, lr, log, xp, position)
+    with _starting(dog, "run directory agreement"):
+        agree(comm, problem)
+    return _Run(cfg, comm, spec, data, plan, model, opt, lr, log, xp, position, dog, lineage, resumed_from)
+
+
+def _new_lineage_notice(cfg, run_dir, resumed_from, log):
+    """Say so when a run starts afresh in a directory that holds an earlier run's checkpoints."""
+    if resumed_from is None and list_checkpoints(log.checkpoint_dir):
+        log.print(f"ringtrain: starting a new run in {run_dir}" + (" (--resume none)" if cfg.resume == "none" else "")
+                  + "; --resume auto will follow it, not the earlier run's checkpoints, which it replaces "
+                    "as it writes its own")
 
 
 def _build_model(cfg, data, xp):
@@ -138,15 +185,19 @@ def _build_model(cfg, data, xp):
 class _Run:
     """One :func:`train` call: its state, the loop, and what the loop calls."""
 
-    def __init__(self, cfg, comm, spec, data, plan, model, opt, lr, log, xp, position):
+    def __init__(self, cfg, comm, spec, data, plan, model, opt, lr, log, xp, position, dog, lineage=None,
+                 resumed_from=None):
         self.cfg, self.comm, self.spec, self.data, self.plan = cfg, comm, spec, data, plan
         self.model, self.opt, self.base_lr, self.log, self.xp = model, opt, lr, log, xp
         self.position = position
-        self.dog = Watchdog(comm, cfg.timeout)
+        self.dog = dog
+        self.lineage = lineage  # rank 0: the lineage every checkpoint of this run is stamped with
+        self.saved = resumed_from  # rank 0: this run's newest checkpoint on disk, as far as it knows
         self.timeline = Timeline(comm.Get_rank(), enabled=cfg.timeline is not None)
         self.phases = Phases(self.timeline, self.dog, left_neighbour(comm.Get_rank(), comm.Get_size()))
         # May move the model's buffers into shared memory: views taken before this go stale.
-        self.strategy, self.why = choose_strategy(cfg, model, opt, comm, self.phases)
+        with _starting(dog, "strategy set-up"):
+            self.strategy, self.why = choose_strategy(cfg, model, opt, comm, self.phases)
         self.metrics = np.zeros(len(Slot), np.float64)
         self.meter = Meter()
         self.last_train, self.last_eval = {}, {}
@@ -257,7 +308,8 @@ class _Run:
         arrays.update({f"optim/{k}": v for k, v in self.opt.state_dict().items()})
         meta = {"step": step, "epoch": epoch, "step_in_epoch": index, "nonfinite_streak": streak,
                 "world_size": self.comm.Get_size(), "digest": digest, "final": final,
-                "config": to_json(self.cfg), "train": _finite(self.last_train), "eval": _finite(self.last_eval)}
+                "config": to_json(self.cfg), "train": _finite(self.last_train), "eval": _finite(self.last_eval),
+                "lineage": self.lineage.id if self.lineage is not None else None}
         try:
             path = save_checkpoint(self.log.checkpoint_dir, step, arrays, meta, keep=self.cfg.keep)
         except (OSError, CheckpointError) as exc:  # save_checkpoint turns an OSError into CheckpointError
@@ -267,20 +319,28 @@ class _Run:
             self.log.event("checkpoint_failed", step=step, epoch=epoch, error=str(exc))
             return None
         self.log.event("checkpoint", step=step, epoch=epoch, path=path)
+        self.saved = path
         return path
 
     def _finish(self, step, epoch, index, streak, stopped):
         self._evaluate(step, epoch)
         path = self._checkpoint(step, epoch, index, streak, final=True)
+        newest = None
+        if self.spec.is_master and path is None and self.saved is not None and os.path.isfile(self.saved):
+            newest = self.saved
+        # Every rank returns the same outcome, so every rank exits with the same status.
+        with self.phases.watched("final checkpoint broadcast", step):
+            path, newest = self.comm.bcast((path, newest), root=0)
         self.log.event("done", step=step, epoch=epoch, stopped=stopped, checkpoint=path)
         self.log.print(f"done: step {step}, epoch {epoch} ({stopped}); test accuracy "
                        f"{self.last_eval.get('accuracy', float('nan')):.2%}")
-        self._write_timeline()
-        self.strategy.close()
-        self.dog.close()
+        self._write_timeline(step)
+        with self.phases.watched("strategy shutdown", step):
+            self.strategy.close()
         self.log.close()
         params = {name: backend.to_numpy(p).copy() for name, p in self.model.params.items()}
-        return TrainResult(params, step, epoch, self.last_train, self.last_eval, self.log.run_dir, stopped)
+        return TrainResult(params, step, epoch, self.last_train, self.last_eval, self.log.run_dir, stopped,
+                           path, newest)
 
     def _progress_bar(self, step):
         if not (self.spec.is_master and self.cfg.progress and sys.stderr.isatty()):
@@ -294,10 +354,16 @@ class _Run:
             total = min(total, self.cfg.max_steps)
         return tqdm(total=total, initial=min(step, total), unit="step", leave=False)
 
-    def _write_timeline(self):
-        events = self.comm.gather(self.timeline.events, root=0) if self.timeline.enabled else None
-        if self.spec.is_master and self.cfg.timeline is not None:
-            Timeline.write(self.cfg.timeline, events)
+    def _write_timeline(self, step):
+        if not self.timeline.enabled:
+            return
+        with self.phases.watched("timeline gather", step):
+            events = self.comm.gather(self.timeline.events, root=0)
+        if self.spec.is_master:
+            try:
+                Timeline.write(self.cfg.timeline, events)
+            except OSError as exc:  # checked at the start; the run's checkpoints are safe either way
+                self.log.warn(f"--timeline {self.cfg.timeline}: not written ({os_reason(exc)})")
 
 
 def _finite(record):

@@ -5,19 +5,42 @@ Only rank 0 reads the disk (on a cluster the run directory may be on its
 local disk alone); it broadcasts what it read, so every replica starts from
 the same bits, whether from a checkpoint or from rank 0's fresh parameters.
 
+A resume takes only what fits. The checkpoint's recorded configuration is
+compared with this run's through :data:`ringtrain.training.config.RESUME_RULES`:
+a setting that shapes the model, the data, the data order or the optimizer
+state must be the same (else one line, exit 2, naming the setting and the
+ways out); a setting that only steers the future may change, and the changes
+are listed in one notice line.
+
+Lineages. Every start that does not continue the run directory's own
+history (a fresh start, ``--resume none``, ``--resume PATH``) begins a new
+lineage: an id recorded in each checkpoint's metadata and in the run
+directory's ``lineage.json`` (written atomically by rank 0 before the first
+step). ``--resume auto`` takes the newest valid checkpoint of the directory's
+current lineage, so checkpoints an earlier lineage left at higher steps are
+never mistaken for this run's progress; before the new lineage's first
+checkpoint it falls back to the checkpoint the lineage started from.
+
 :func:`resume` is collective: every rank calls it once, at start-up.
 """
 
+import contextlib
 import dataclasses
+import json
 import os
+import uuid
 
 from .. import backend
-from ..checkpoint import latest_valid_checkpoint, read_checkpoint
+from ..checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
 from ..failure import agree
+from ..safeio import KiB, read_regular
+from .config import flag_name, resume_differences
 
-__all__ = ["Position", "resume", "find_checkpoint"]
+__all__ = ["Position", "Lineage", "resume", "find_checkpoint", "read_lineage", "write_lineage", "LINEAGE_NAME"]
+
+LINEAGE_NAME = "lineage.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,20 +53,57 @@ class Position:
     nonfinite_streak: int = 0  # non-finite steps in a row just before this point
 
 
+@dataclasses.dataclass(frozen=True)
+class Lineage:
+    """One history of checkpoints in a run directory (rank 0's record).
+
+    ``parent`` is the checkpoint the lineage started from (None for a fresh
+    start): what ``--resume auto`` falls back to before the lineage has a
+    checkpoint of its own.
+    """
+
+    id: str
+    parent: str = None
+
+    @staticmethod
+    def new(parent=None):
+        return Lineage(uuid.uuid4().hex[:16], os.path.abspath(parent) if parent else None)
+
+
+def read_lineage(run_dir, warn):
+    """The run directory's current :class:`Lineage`, or None (none recorded, or unreadable: said through ``warn``)."""
+    path = os.path.join(run_dir, LINEAGE_NAME)
+    if not os.path.lexists(path):
+        return None
+    try:
+        record = json.loads(read_regular(path, None, 64 * KiB, "lineage files").decode("utf-8"))
+        return Lineage(str(record["lineage"]), record.get("parent"))
+    except (UsageError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        warn(f"{path}: unreadable ({exc}); taking the newest valid checkpoint of any run")
+        return None
+
+
+def write_lineage(run_dir, lineage):
+    """Record ``lineage`` as the run directory's current one (atomically; raises OSError)."""
+    from .runlog import write_json_atomic
+
+    write_json_atomic(os.path.join(run_dir, LINEAGE_NAME), {"lineage": lineage.id, "parent": lineage.parent})
+
+
 def find_checkpoint(resume_from, run_dir, warn):
     """On rank 0: the checkpoint to resume from as ``(path, arrays, metadata)``, or None.
 
     Args:
-        resume_from: ``"auto"`` (the newest valid checkpoint of ``run_dir``),
-            ``"none"``, a checkpoint file, or a run or checkpoints directory.
+        resume_from: ``"auto"`` (the newest valid checkpoint of ``run_dir``'s
+            current lineage), ``"none"``, a checkpoint file, or a run or
+            checkpoints directory.
         run_dir: this run's directory.
         warn: called with a line for each damaged checkpoint passed over.
     """
     if resume_from == "none":
         return None
     if resume_from == "auto":
-        directory = os.path.join(run_dir, "checkpoints")
-        return latest_valid_checkpoint(directory, warn=warn) if os.path.isdir(directory) else None
+        return _find_auto(run_dir, warn)
     if os.path.isdir(resume_from):
         sub = os.path.join(resume_from, "checkpoints")
         found = latest_valid_checkpoint(sub if os.path.isdir(sub) else resume_from, warn=warn)
@@ -52,6 +112,63 @@ def find_checkpoint(resume_from, run_dir, warn):
         return found
     arrays, meta = read_checkpoint(resume_from)
     return resume_from, arrays, meta
+
+
+def _find_auto(run_dir, warn):
+    directory = os.path.join(run_dir, "checkpoints")
+    current = read_lineage(run_dir, warn)
+    if current is None:  # a directory from before lineages, or a new one
+        return latest_valid_checkpoint(directory, warn=warn) if os.path.isdir(directory) else None
+    found = None
+    if os.path.isdir(directory):
+        found = latest_valid_checkpoint(directory, warn=warn, accept=lambda meta: meta.get("lineage") == current.id)
+    if found is None and current.parent:
+        try:
+            arrays, meta = read_checkpoint(current.parent)
+            found = current.parent, arrays, meta
+        except CheckpointError as exc:
+            warn(f"this run started from {exc}; no checkpoint of it is left, so it starts afresh")
+    return found
+
+
+def _shown(value):
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _check_meta(path, meta):
+    config = meta.get("config")
+    fields = ("epoch", "step_in_epoch")
+    if not isinstance(config, dict) or not all(isinstance(meta.get(k), int) for k in fields):
+        raise UsageError(f"checkpoint {path} has no training metadata (config, epoch, step_in_epoch): it was not "
+                         "written by ringtrain train; give another --resume PATH, or --resume none")
+
+
+def _check_settings(found, cfg, size, warn):
+    """Refuse a checkpoint whose settings do not fit; return the notice line for those that changed, or None."""
+    path, _, meta = found
+    _check_meta(path, meta)
+    auto = cfg.resume == "auto"
+    refused, changed = resume_differences(meta["config"], cfg)
+    if refused is not None:
+        name, then, now, why = refused
+        flag = flag_name(name)
+        ways_out = ("to start a new run give a new --run-dir, or --resume none to start afresh here" if auto
+                    else f"give {flag} {_shown(then)}, or --resume none to start afresh")
+        raise UsageError(f"--resume {cfg.resume}: cannot resume from {path}: it was trained with {flag} "
+                         f"{_shown(then)} and this run has {flag} {_shown(now)}, which changes {why}; {ways_out}")
+    ranks = meta.get("world_size")
+    if ranks not in (None, size):
+        if auto:
+            raise UsageError(f"--resume auto: cannot resume from {path}: it was written by a {ranks}-rank job and "
+                             f"this one has {size} ranks, which changes the data order; run on {ranks} ranks, "
+                             f"give --resume {path} to go on with {size} anyway, or give a new --run-dir, or "
+                             "--resume none to start afresh")
+        warn(f"resuming a {ranks}-rank run on {size} ranks: "
+             "the data order differs, so results will not match the original run exactly")
+    if not changed:
+        return None
+    return "ringtrain: settings changed since the checkpoint: " + ", ".join(
+        f"{flag_name(name)} {_shown(now)} (was {_shown(then)})" for name, then, now in changed)
 
 
 def _check_fits(found, params):
@@ -63,29 +180,61 @@ def _check_fits(found, params):
                              "use --resume none or a matching --model/--hidden")
 
 
-def _find_on_root(comm, resume_from, run_dir, params, log):
-    found, problem = None, None
+def _find_on_root(comm, cfg, run_dir, params, log):
+    found, problem, notice = None, None, None
     if comm.Get_rank() == 0:
         try:
-            found = find_checkpoint(resume_from, run_dir, log.warn)
+            found = find_checkpoint(cfg.resume, run_dir, log.warn)
             if found is not None:
+                # The recorded settings name a difference best ("trained with --hidden 8"); without
+                # them, a model that does not fit is still the clearer thing to say.
+                recorded = isinstance(found[2].get("config"), dict)
+                if recorded:
+                    notice = _check_settings(found, cfg, comm.Get_size(), log.warn)
                 _check_fits(found, params)
+                if not recorded:
+                    _check_meta(found[0], found[2])
         except UsageError as exc:
             problem = str(exc)
     agree(comm, problem)
-    return found
+    return found, notice
 
 
-def resume(comm, resume_from, run_dir, params, opt, log):
+def _lineage_for(cfg, run_dir, found, log):
+    """On rank 0: the lineage this run's checkpoints join."""
+    if found is None:
+        return Lineage.new()
+    path, _, meta = found
+    if cfg.resume == "auto":
+        current = read_lineage(run_dir, log.warn)
+        if current is not None and (meta.get("lineage") == current.id or path == current.parent):
+            return current
+        return Lineage(meta["lineage"]) if meta.get("lineage") else Lineage.new(path)
+    return Lineage.new(path)  # --resume PATH: a branch, whatever the directory held before
+
+
+def resume(comm, cfg, run_dir, params, opt, log, dog=None):
     """Rank 0 loads and checks a checkpoint, then every rank receives it (collective).
 
     Without a checkpoint, rank 0's initial parameters are broadcast so every
     replica starts identical.
 
+    Args:
+        dog: a :class:`ringtrain.watchdog.Watchdog` to watch the collectives
+            (rank 0 may read a large checkpoint while the others wait).
+
     Returns:
-        The :class:`Position` to continue from (all zeros for a fresh run).
+        ``(position, lineage, path)``: the :class:`Position` to continue from
+        (all zeros for a fresh run); on rank 0 the :class:`Lineage` this run
+        continues and the checkpoint resumed from (None for a fresh start),
+        None on the other ranks.
     """
-    found = _find_on_root(comm, resume_from, run_dir, params, log)
+    def watched(what):
+        return dog.watch(f"start-up: resume {what}") if dog is not None else contextlib.nullcontext()
+
+    with watched("agreement"):
+        found, notice = _find_on_root(comm, cfg, run_dir, params, log)
+    lineage = _lineage_for(cfg, run_dir, found, log) if comm.Get_rank() == 0 else None
     header = None
     if found is not None:
         path, arrays, meta = found
@@ -93,15 +242,21 @@ def resume(comm, resume_from, run_dir, params, opt, log):
                   "optim": {k[len("optim/"):]: v for k, v in arrays.items() if k.startswith("optim/")}}
         for name, p in params.items():
             p[...] = backend.get_array_module(p).asarray(arrays[f"params/{name}"])
-    header = comm.bcast(header, root=0)
-    for name in params:
-        broadcast_(params[name], root=0, comm=comm)
+    with watched("broadcast"):
+        header = comm.bcast(header, root=0)
+        for name in params:
+            broadcast_(params[name], root=0, comm=comm)
     if header is None:
-        return Position()
-    opt.load_state_dict(header["optim"])
+        return Position(), lineage, None
+    try:
+        opt.load_state_dict(header["optim"])
+    except ValueError as exc:  # every rank holds the same header and optimizer: the same verdict everywhere
+        raise UsageError(f"checkpoint {header['path']}: {exc}; give the --optimizer and --momentum it was trained "
+                         "with, or --resume none", everywhere=True) from None
     meta = header["meta"]
-    if meta.get("world_size") not in (None, comm.Get_size()):
-        log.warn(f"resuming a {meta['world_size']}-rank run on {comm.Get_size()} ranks: "
-                 "the data order differs, so results will not match the original run exactly")
     log.print(f"resumed from {header['path']} at step {meta['step']} (epoch {meta['epoch']})")
-    return Position(meta["step"], meta["epoch"], meta["step_in_epoch"], meta.get("nonfinite_streak", 0))
+    if notice:
+        log.print(notice)
+    position = Position(meta["step"], meta["epoch"], meta["step_in_epoch"], meta.get("nonfinite_streak", 0))
+    return position, lineage, header["path"]
+

@@ -17,12 +17,15 @@ FAULT, on rank RANK only:
   (the digest check at the next checkpoint must catch it).
 * ``enospc``: the STEP-th checkpoint save (counting from 0) fails with
   ``OSError(ENOSPC)`` after writing a few bytes. Only rank 0 writes.
+* ``sleep-load``: sleep 120 s before loading the data (STEP is ignored): a
+  rank stalled at start-up, while the others wait in data loading's
+  collectives.
 
 Steps count calls of ``loss_and_grad``, so STEP is the trainer's global step
 in a fresh run. Like the CLI, the whole run is under ``abort_on_error``; a
 user error agreed by every rank prints ``rank R: error: ...`` on every rank
 and exits 2. At the end every rank prints ``rank R digest <sha256>`` of its
-parameters.
+parameters; like the CLI, it exits 3 when the final checkpoint was not written.
 """
 
 import errno
@@ -36,6 +39,7 @@ from mpi4py import MPI
 import ringtrain.checkpoint
 import ringtrain.training.loop
 from ringtrain.cli import build_parser
+from ringtrain.commands.train import FINAL_CHECKPOINT_MISSING
 from ringtrain.commands.train import config_from_args
 from ringtrain.errors import UsageError
 from ringtrain.failure import abort_on_error
@@ -86,6 +90,14 @@ def install(fault, at):
             return write(fileobj, arrays, meta)
 
         ringtrain.checkpoint._write_npz = failing_write
+    elif fault == "sleep-load":
+        load = ringtrain.training.loop.load_sharded
+
+        def slow_load(*args, **kwargs):
+            time.sleep(120)
+            return load(*args, **kwargs)
+
+        ringtrain.training.loop.load_sharded = slow_load
     elif fault != "none":
         build = ringtrain.training.loop.build_model
         ringtrain.training.loop.build_model = lambda *a, **kw: inject(build(*a, **kw), fault, at)
@@ -104,6 +116,8 @@ def main(argv):
             # ranks finishing together could interleave their lines.
             sys.stdout.write(f"rank {comm.Get_rank()} digest {params_digest(result.params)}\n")
             sys.stdout.flush()
+            if result.checkpoint is None:
+                return FINAL_CHECKPOINT_MISSING
     except UsageError as exc:
         print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)
         return 2
