@@ -436,6 +436,26 @@ def read_checkpoint(path):
     def fail(problem):
         return CheckpointError(f"checkpoint {path}: {problem}")
 
+    arrays, meta_bytes = _read_zip(path, fail)
+    meta = _parse_meta(meta_bytes, fail)
+    stored = meta.pop("sha256", None)
+    if not isinstance(stored, str):
+        raise fail("damaged metadata (no sha256 checksum)")
+    actual = _checksum(arrays, meta)
+    if actual != stored:
+        raise fail(
+            f"checksum mismatch (stored sha256 {stored[:12]}..., "
+            f"contents hash to {actual[:12]}...); the file is damaged"
+        )
+    match = _NAME_RE.match(os.path.basename(path))
+    if match and int(match.group(1)) != meta.get("step"):
+        raise fail(f"holds step {meta.get('step')!r}, which does not match its file name")
+    meta["sha256"] = stored
+    return arrays, meta
+
+
+def _read_zip(path, fail):
+    """The arrays and the raw metadata member of the checkpoint at ``path``; ``fail(problem)`` makes the error."""
     # A FIFO named like a checkpoint must not block the resume, nor a link
     # to /dev/zero fill memory; and a checkpoint is read whole, so it must fit.
     f = open_regular(path, "checkpoint", physical_memory(), "checkpoints", error=CheckpointError)
@@ -451,10 +471,9 @@ def read_checkpoint(path):
     if magic != b"PK\x03\x04":
         f.close()
         raise fail("not a ringtrain checkpoint (not an npz/zip file)")
-
     try:
         f.seek(0)
-        arrays, meta_bytes = _read_members(f)
+        return _read_members(f)
     except _Damaged as exc:
         raise fail(f"not a ringtrain checkpoint: {exc}") from None
     except ValueError as exc:
@@ -466,6 +485,9 @@ def read_checkpoint(path):
     except Exception as exc:  # zipfile, zlib and .npy parsing raise many kinds
         raise fail(f"damaged or truncated ({type(exc).__name__}: {_one_line(exc)})") from None
 
+
+def _parse_meta(meta_bytes, fail):
+    """The metadata dict of a checkpoint, checked for ringtrain's format and a version this code reads."""
     if meta_bytes is None:
         raise fail(f"not a ringtrain checkpoint (no {META_KEY} member)")
     try:
@@ -482,20 +504,7 @@ def read_checkpoint(path):
             f"written in format version {version}; this ringtrain reads up to "
             f"{FORMAT_VERSION}, so upgrade ringtrain"
         )
-    stored = meta.pop("sha256", None)
-    if not isinstance(stored, str):
-        raise fail("damaged metadata (no sha256 checksum)")
-    actual = _checksum(arrays, meta)
-    if actual != stored:
-        raise fail(
-            f"checksum mismatch (stored sha256 {stored[:12]}..., "
-            f"contents hash to {actual[:12]}...); the file is damaged"
-        )
-    match = _NAME_RE.match(os.path.basename(path))
-    if match and int(match.group(1)) != meta.get("step"):
-        raise fail(f"holds step {meta.get('step')!r}, which does not match its file name")
-    meta["sha256"] = stored
-    return arrays, meta
+    return meta
 
 
 def _warn_default(message):
