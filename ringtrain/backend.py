@@ -166,9 +166,11 @@ def rank_order_kernel(n, combine="add"):
     if combine == "add":
         body = " + ".join(f"x{i}" for i in range(n))
     else:
+        # NaN propagates, as in np.minimum/np.maximum (CUDA's min/max would drop it).
         body = "x0"
+        pick = "<" if combine == "minimum" else ">"
         for i in range(1, n):
-            body = f"{'min' if combine == 'minimum' else 'max'}({body}, x{i})"
+            body = f"(({body}) {pick} x{i} || ({body}) != ({body}) ? ({body}) : x{i})"
     return _cupy.ElementwiseKernel(inputs, "T y", f"y = {body}", f"ringtrain_{combine}_{n}")
 
 

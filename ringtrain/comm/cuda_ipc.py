@@ -6,7 +6,7 @@ host can map each other's device allocations (``cudaIpcOpenMemHandle``) and
 reduce in place with CuPy kernels, at device-memory speed; NCCL refuses two
 ranks on one GPU, so where ranks share a GPU this is the only fast path.
 
-:class:`CudaIpcTransport` is the CPU window's algorithm on device memory
+:class:`CudaIpcTransport` is the CPU window's structure on device memory
 (:mod:`ringtrain.comm.window`), in one round:
 
 1. reduce-scatter: each rank copies its buffer into its own slot (or, for an
@@ -31,7 +31,10 @@ transport, which lives in the communicator's state. The mappings are closed
 before the memory is freed (:meth:`CudaIpcTransport.close`).
 
 This module needs CuPy and a GPU only when a transport is made; it imports
-CuPy through :mod:`ringtrain.backend` alone.
+CuPy through :mod:`ringtrain.backend` alone. Set-up is collective and every
+rank learns whether every rank could allocate and map: on any failure all
+of them unmap and go on without it (the collectives then stage through the
+host).
 """
 
 import numpy as np
@@ -52,31 +55,48 @@ class _Mapped:
     def __init__(self, comm, nbytes):
         self.comm, self.nbytes = comm, nbytes
         rank = comm.Get_rank()
-        self.mine = backend.device_buffer(nbytes)
-        handles = comm.allgather(backend.ipc_handle(self.mine))
-        self.opened, problem = [], None
-        self.views = []
+        self.mine, self.views, self.opened = None, [], []
+        problem, handle = None, None
+        try:
+            self.mine = backend.device_buffer(nbytes)
+            handle = backend.ipc_handle(self.mine)
+        except Exception as exc:  # noqa: BLE001 - out of memory, IPC unsupported: every rank must hear
+            problem = f"{type(exc).__name__}: {exc}"
+        handles = comm.allgather(handle)
+        if problem is None and all(h is not None for h in handles):
+            problem = self._open(handles, rank, nbytes)
+        # Every rank learns whether every rank mapped every peer: all keep the mappings, or none does.
+        self.ok = not comm.allreduce(problem is not None or any(h is None for h in handles))
+        if not self.ok:
+            self._unmap()
+
+    def _open(self, handles, rank, nbytes):
+        """Map every peer's allocation; returns a problem, or None."""
         for peer, (handle, offset) in enumerate(handles):
             if peer == rank:
                 self.views.append(self.mine)
                 continue
             try:
                 view, pointer = backend.open_ipc(handle, offset, nbytes)
-            except Exception as exc:  # noqa: BLE001 - containers may forbid IPC: every rank must hear
-                problem = f"{type(exc).__name__}: {exc}"
-                break
+            except Exception as exc:  # noqa: BLE001 - containers may forbid IPC
+                return f"{type(exc).__name__}: {exc}"
             self.views.append(view)
             self.opened.append(pointer)
-        self.ok = not comm.allreduce(problem is not None)
+        return None
+
+    def _unmap(self):
+        for pointer in self.opened:
+            backend.close_ipc(pointer)
+        self.opened, self.views = [], []
 
     def close(self):
         """Unmap the peers' memory, then let ours go: nobody may still map it when it is freed."""
-        backend.synchronize(self.mine)
+        if self.mine is not None:
+            backend.synchronize(self.mine)
         self.comm.Barrier()  # every rank is done reading its peers
-        for pointer in self.opened:
-            backend.close_ipc(pointer)
+        self._unmap()
         self.comm.Barrier()  # every mapping of our memory is closed: it may be freed
-        self.opened, self.views, self.mine = [], [], None
+        self.mine = None
 
 
 class CudaIpcTransport(Transport):
@@ -99,12 +119,13 @@ class CudaIpcTransport(Transport):
         from mpi4py import MPI
 
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        together = comm.allreduce(int(node.Get_size() == comm.Get_size()), op=MPI.MIN)
+        usable = int(node.Get_size() == comm.Get_size() and backend.gpu_available())
         node.Free()
-        if not together or not backend.gpu_available():
+        if not comm.allreduce(usable, op=MPI.MIN):
             return None
         transport = cls(comm)
         if not transport._grow(1 << 20):
+            transport.close()
             return None
         return transport
 

@@ -14,6 +14,7 @@ this transport) and its two phases agree to rounding, not bitwise.
 
 import numpy as np
 
+from ..backend import get_array_module
 from .base import Transport
 from .schedule import chunk_bounds
 
@@ -40,9 +41,11 @@ class MpiTransport(Transport):
 
     def reduce_scatter(self, x, combine=np.add):
         bounds, counts, datatype = self._spec(x)
-        received = self._received.get(np.dtype(x.dtype))
+        xp = get_array_module(x)
+        key = (np.dtype(x.dtype), xp.__name__)
+        received = self._received.get(key)
         if received is None or received.size < counts[self.rank]:
-            received = self._received[np.dtype(x.dtype)] = np.empty(counts[self.rank], x.dtype)
+            received = self._received[key] = xp.empty(counts[self.rank], x.dtype)
         mine = received[:counts[self.rank]]
         self.comm.Reduce_scatter([x, datatype], [mine, datatype], counts, op=self._ops[combine])
         x[bounds[self.rank]:bounds[self.rank + 1]] = mine

@@ -100,8 +100,10 @@ class ShardedStep:
         gbuf, size = model.grad_buffer, comm.Get_size()
         gpu = backend.is_gpu_array(gbuf)
         name = "local" if size == 1 else choose_transport(algorithm, gbuf.nbytes, state_of(comm).one_host(), gpu)
-        if name is None or (gpu and name not in ("local", "cuda-ipc") and not cuda_aware()[0]):
-            return None  # on a GPU without a window or a CUDA-aware MPI, the allreduce stages anyway
+        # On a GPU only CUDA IPC or a CUDA-aware MPI reads device memory; every rank must agree on which.
+        on_device = not gpu or name in ("local", "cuda-ipc") or comm.allreduce(int(cuda_aware()[0]), op=MPI.MIN)
+        if name is None or not on_device:
+            return None  # the allreduce stages through the host anyway
         window = name in ("shm", "cuda-ipc")
         options = {"shared_bytes": 2 * _aligned(gbuf.nbytes)} if window else {}
         dup = comm.Dup()  # its own messages: never matched with another collective's
@@ -118,7 +120,7 @@ class ShardedStep:
 
     @property
     def kind(self):
-        """The transport's name: "shm", "ring" or "mpi" ("local" on one rank)."""
+        """The transport's name: "shm", "cuda-ipc", "ring" or "mpi" ("local" on one rank)."""
         return self.transport.name
 
     def reduce_gradients(self):
@@ -127,6 +129,8 @@ class ShardedStep:
         The rest of the grad buffer is left partly reduced: only the chunk is meaningful.
         """
         grads = self.model.grad_buffer
+        # MPI knows nothing of CUDA streams: backward's kernels must be done before it reads.
+        backend.synchronize(grads)
         self.transport.reduce_scatter(grads)
         chunk = grads[self.start:self.stop]
         if self.size > 1:
@@ -147,11 +151,13 @@ class ShardedStep:
 
     def allgather(self):
         """Phase 3 (collective): every rank receives every chunk of the updated parameters."""
+        backend.synchronize(self.model.param_buffer)  # the update's kernels, before MPI reads the chunk
         self.transport.allgather(self.model.param_buffer)
 
     def gather_state(self):
         """Bring every rank's copy of the optimizer state up to date from the chunks' owners (collective)."""
         for flat in self.opt.flat_state():
+            backend.synchronize(flat)
             self.transport.allgather(flat)
 
     def close(self):
