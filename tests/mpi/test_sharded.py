@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain.comm import allreduce_
+from ringtrain.comm.policy import WINDOW_BYTES
 from ringtrain.models import build_model, flat_layout
 from ringtrain.optim import build_optimizer
 from ringtrain.training.sharded import ShardedStep
@@ -106,7 +107,7 @@ def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
 def test_create_declines_where_the_step_cannot_be_sharded():
     model, opt = model_and_optimizer(SHAPES[0], "sgd", {})
     unordered = build_optimizer("sgd", model.params, lr=0.1)  # state in the params' order, not the buffer's
-    big = build_model("mlp", 1024, 10, hidden=(1024,), seed=0)  # 4.2 MB: past the window's cap for "auto"
+    big = build_model("mlp", 1024, 10, hidden=(WINDOW_BYTES // 4096 + 64,), seed=0)  # past the window's cap for "auto"
     big_opt = build_optimizer("sgd", big.params, lr=0.1, order=flat_layout(big).order)
 
     class Loose:  # not a FlatModel: no flat buffers to shard
