@@ -1,66 +1,172 @@
-"""Hierarchical allreduce: reduce within each host, ring across hosts, broadcast within each host.
+"""Hierarchical allreduce: within each host through shared memory, across hosts among chunk owners.
 
 On a cluster the links between hosts are much slower than memory within a
 host. The flat ring (:mod:`ringtrain.comm.ring`) sends ``2 (N - 1) / N`` of the
 vector over every link, the slow ones included, and takes ``2 (N - 1)``
-latency-bound steps. The hierarchical variant moves data between hosts only
-among one leader rank per host:
+latency-bound steps. Where every host runs the same number ``L`` of ranks,
+:class:`HierarchicalTransport` splits the vector into ``L`` chunks and runs
+both phases in two levels:
 
-1. reduce within the host onto its leader (a ring reduce-scatter over the
-   host's ranks, then a gather of the reduced chunks to the leader);
-2. the ring allreduce among the leaders, one per host;
-3. a broadcast from each leader to the other ranks of its host.
+* reduce-scatter: within each host through the shared-memory window
+  (:mod:`ringtrain.comm.window`), which leaves local rank ``l`` its host's sum
+  of chunk ``l``; then, on that chunk, the ring's reduce-scatter among the
+  ``H`` ranks (one per host) that own chunk ``l``, which leaves each of them
+  the global sum of one piece of it;
+* allgather: the ring's allgather of chunk ``l`` among those ``H`` ranks,
+  then the window's allgather within each host.
 
-Each host then sends and receives ``2 (H - 1) / H`` of the vector over its
-network link (``H`` hosts), once, instead of once per rank pair that the ring
-crosses at the host boundary, and the cross-host ring has ``2 (H - 1)`` steps
-instead of ``2 (N - 1)``. It helps when several ranks share a host and the
-network, not memory, is the bottleneck; with one rank per host it is the flat
-ring plus nothing.
+So only ranks that own the same chunk talk across hosts, all ``L`` pairs at
+once on disjoint data: each host sends and receives ``2 (H - 1) / H`` of the
+vector, as with one leader per host, but spread over ``L`` ranks, and the
+cross-host rings have ``2 (H - 1)`` steps instead of ``2 (N - 1)``. With both
+phases, the sharded optimizer step runs on it too (``two_phase``).
 
-Every sum is made along a fixed path (the intra-host ring, then the leaders'
-ring) and the result is then only copied, so every rank gets bitwise the same
-result, and a repeated call gives bitwise the same result again. The order of
-additions differs from the flat ring's, so the two agree only to rounding.
+Where hosts run different numbers of ranks the chunks would not line up,
+and the transport keeps the leader-based algorithm (:func:`hierarchical_reduce`:
+reduce onto one leader per host, ring among the leaders, broadcast within
+each host), which has no reduce-scatter: ``two_phase`` is then False. Which
+of the two a communicator gets is decided once, collectively, when the
+transport is made.
+
+Every sum is made along a fixed path (the window's rank order within the
+host, then the ring across hosts) and the result is then only copied, so
+every rank gets bitwise the same result, a repeated call gives bitwise the
+same result again, and the allreduce is bitwise its two phases. The order
+of additions differs from the flat ring's, so the two agree only to rounding.
 
 The host and leader sub-communicators are cached on the communicator with
 MPI attribute caching (:meth:`Hierarchy.of`), made on first use by a
 collective call, and freed when the communicator is freed.
 """
 
+import atexit
+import weakref
+
 import numpy as np
 
 from ..backend import get_array_module
 from .base import Transport
 from .policy import SEGMENT_BYTES
-from .ring import ring_allreduce, ring_reduce_scatter
+from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .schedule import chunk_bounds
 
-__all__ = ["Hierarchy", "HierarchicalTransport", "hierarchical_reduce"]
+__all__ = ["Hierarchy", "HierarchicalTransport", "hierarchical_reduce", "owned_span"]
+
+
+def owned_span(n, local_size, local_chunk, hosts, cross_rank):
+    """``(start, stop)`` a rank holds reduced after the two-level reduce-scatter (pure).
+
+    ``n`` elements cut into ``local_size`` chunks; this rank's host reduces
+    chunk ``local_chunk`` onto it, and the ring among the ``hosts`` owners of
+    that chunk leaves cross rank ``cross_rank`` the ring's chunk
+    ``(cross_rank + 1) % hosts`` of it (:func:`ringtrain.comm.schedule.ring_schedule`).
+    """
+    outer = chunk_bounds(n, local_size)
+    start, stop = outer[local_chunk], outer[local_chunk + 1]
+    inner = chunk_bounds(stop - start, hosts)
+    piece = (cross_rank + 1) % hosts
+    return start + inner[piece], start + inner[piece + 1]
 
 
 class HierarchicalTransport(Transport):
-    """The hierarchical allreduce behind the transport interface (``algorithm="hierarchical"``).
+    """The two-level transport (``algorithm="hierarchical"``); see the module docstring.
 
-    It reduces onto one leader per host and rings among the leaders, so it
-    has no reduce-scatter that leaves each rank a chunk: ``two_phase`` is
-    False, and the sharded step keeps the allreduce under it.
+    Made by :meth:`create`. With the same number of ranks on every host it
+    has both phases (``two_phase``); otherwise only the leader-based allreduce.
     """
 
     name = "hierarchical"
-    two_phase = False
 
-    def __init__(self, comm):
+    def __init__(self, comm, local=None, across=None):
         super().__init__(comm)
+        self.local, self.across = local, across
+        self.two_phase = local is not None
         self._stages = {}
 
+    @classmethod
+    def create(cls, comm, local="shm"):
+        """Collective over ``comm``: every rank gets the same kind of transport.
+
+        Args:
+            comm: the communicator; its :class:`Hierarchy` (which ranks share a
+                host) is made on first use, or the one attached to it.
+            local: the transport within each host: ``"shm"``, the window (the
+                pipelined ring where a "host" cannot share memory); a GPU
+                caller passes ``"cuda-ipc"``. The ring across hosts runs on
+                the array it is given, so device memory goes to MPI directly
+                when MPI is CUDA-aware.
+        """
+        from .transports import create_transport
+
+        intra = Hierarchy.of(comm).intra
+        sizes = comm.allgather(intra.Get_size())
+        if min(sizes) != max(sizes):
+            return cls(comm)
+        inner = create_transport(local, intra) or create_transport("ring", intra)
+        # Ranks pair up across hosts by the chunk they own, which need not be
+        # their local rank (the ring's is local rank + 1): the split says so.
+        across = comm.Split(inner.owned_chunk(), key=comm.Get_rank())
+        transport = cls(comm, inner, across)
+        # A transport on MPI_COMM_WORLD is never closed by its communicator,
+        # and across hosts MPICH's network module refuses to finalize with the
+        # window still open ("fabricclose failed: Device or resource busy").
+        # Every rank made its transports in the same order, so every rank
+        # closes them in the same order too, before mpi4py's own exit handler.
+        atexit.register(_close_at_exit, weakref.ref(transport))
+        return transport
+
+    def owned(self, n):
+        if not self.two_phase:
+            return super().owned(n)
+        return owned_span(n, self.local.size, self.local.owned_chunk(), self.across.Get_size(),
+                          self.across.Get_rank())
+
+    def reduce_scatter(self, x, combine=np.add):
+        if not self.two_phase:
+            raise NotImplementedError("hosts with different numbers of ranks: the leader-based allreduce only")
+        self.local.reduce_scatter(x, combine)
+        if self.across.Get_size() > 1:
+            a, b = self.local.owned(x.size)
+            stages = self._stages_for(x)
+            ring_reduce_scatter(self.across, x[a:b], getattr(get_array_module(x), combine.__name__), stages,
+                                stages[0].size)
+
+    def allgather(self, x):
+        if not self.two_phase:
+            raise NotImplementedError("hosts with different numbers of ranks: the leader-based allreduce only")
+        if self.across.Get_size() > 1:
+            a, b = self.local.owned(x.size)
+            ring_allgather(self.across, x[a:b], chunk_bounds(b - a, self.across.Get_size()))
+        self.local.allgather(x)
+
     def allreduce(self, x, combine=np.add):
+        if self.two_phase:
+            return super().allreduce(x, combine)
+        stages = self._stages_for(x)
+        return hierarchical_reduce(self.comm, x, getattr(get_array_module(x), combine.__name__), stages,
+                                   stages[0].size)
+
+    def close(self):
+        if self.local is not None:
+            self.local.close()
+            self.across.Free()
+            self.local = self.across = None
+
+    def _stages_for(self, x):
         xp = get_array_module(x)
         key = (np.dtype(x.dtype), xp.__name__)
         if key not in self._stages:
             segment = max(1, SEGMENT_BYTES // x.itemsize)
             self._stages[key] = (xp.empty(segment, x.dtype), xp.empty(segment, x.dtype))
-        stages = self._stages[key]
-        return hierarchical_reduce(self.comm, x, getattr(xp, combine.__name__), stages, stages[0].size)
+        return self._stages[key]
+
+
+def _close_at_exit(ref):
+    from mpi4py import MPI
+
+    transport = ref()
+    if transport is not None and transport.local is not None and not MPI.Is_finalized():
+        transport.close()
 
 
 class Hierarchy:

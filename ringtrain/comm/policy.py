@@ -14,12 +14,17 @@ __all__ = ["choose_transport", "ALGORITHMS", "SMALL_BYTES", "WINDOW_BYTES", "RIN
 # and the ring cross between 32 and 64 KiB.
 SMALL_BYTES = 64 << 10
 # Up to this many bytes on one host, "auto" reduces through the shared-memory
-# window: one copy less per byte than any message-passing path, 2.1-2.6x MPI's
-# Allreduce for a 2.6 MiB gradient at 2 ranks. Larger buffers go in several
-# rounds, each a barrier, and on a busy host one late rank stalls every
-# barrier (16 MiB ran anywhere from 1.6x to 0.3x MPI's time): the pipelined
-# ring tolerates that far better.
-WINDOW_BYTES = 4 << 20
+# window. Its rounds synchronise through per-rank counters, not barriers
+# (ringtrain.comm.window), so a late rank no longer stalls every round. It
+# still moves more bytes per element than the ring, whose large messages
+# MPICH copies once between processes: 2 ranks, scripts/bench_window.py,
+# window bus bandwidth over the ring's (paired medians, load average 6-8 on
+# the 2-core development machine): 8 MiB 2.5x, 16 MiB 1.3x and 1.6x (two
+# runs), 32 MiB 1.0x, 64 MiB 0.66x, 256 MiB 0.51x. (The barrier-per-round
+# window it replaced: 16 MiB 0.39x, 64 MiB 0.18x in the same run.) At 3
+# ranks on 2 cores the window lost 8-32 MiB (0.67-0.85x): oversubscribed
+# ranks wait on each other every round. So up to 16 MiB.
+WINDOW_BYTES = 16 << 20
 # Below this many bytes (and above SMALL_BYTES, off the window), "auto" hands
 # the data to MPI's own collectives; from here up, the ring. At 2 ranks the
 # ring lost to MPI by 15-60% from 128 KiB to 2 MiB, tied at 4-8 MiB, and wins

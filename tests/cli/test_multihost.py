@@ -75,14 +75,18 @@ def test_exit_status_of_a_remote_rank_reaches_the_launcher(cluster):  # noqa: F8
     assert result.returncode == 3, show(result)
 
 
-def test_hierarchical_allreduce_across_hosts_matches_mpi_and_only_leaders_cross(cluster):  # noqa: F811
+def test_hierarchical_allreduce_across_hosts_matches_mpi_and_only_chunk_owners_cross(cluster):  # noqa: F811
     n = 1 << 18  # 2 MiB of float64 per rank
     report, received = allreduce_across_hosts(cluster, n, "hierarchical")
     assert len({r["digest"] for r in report["ranks"]}) == 1, "ranks hold different results"
-    # Only the two leaders exchange data: each host receives the vector once
-    # (half in the reduce-scatter, half in the allgather), plus MPI's own
-    # Allreduce of the reference, where the flat ring's 4-rank loop would
-    # bring in 1.5 vectors on top of that.
+    # Two ranks on each host: both phases, and local rank l of h1 talks across
+    # only to local rank l of h2, the other owner of window chunk l.
+    assert [(r["two_phase"], r["across"]) for r in report["ranks"]] == [(True, [0, 2]), (True, [1, 3]),
+                                                                         (True, [0, 2]), (True, [1, 3])]
+    # Each host receives the vector once (each owner half of its chunk in the
+    # reduce-scatter, half in the allgather), plus MPI's own Allreduce of the
+    # reference, where the flat ring's 4-rank loop would bring in 1.5
+    # vectors on top of that.
     for host, count in received.items():
         assert n * 8 < count < (2 + 0.3) * n * 8, f"{host} received {count} bytes"
 
@@ -102,9 +106,11 @@ def test_training_across_hosts_ends_like_the_same_run_on_one_host(cluster, tmp_p
     want, want_meta = load_checkpoint(str(tmp_path / "here"))
     assert got_meta["step"] == want_meta["step"] > 0 and got_meta["world_size"] == 4
     assert sorted(got) == sorted(want)
-    transport = {"ring": ("ring", "ring"), "hierarchical": (None, None), "auto": ("mpi", "shm")}[algorithm]
+    # hierarchical: two ranks on each host, so both phases, and the sharded step runs on them.
+    transport = {"ring": ("ring", "ring"), "hierarchical": ("hierarchical", "hierarchical"),
+                 "auto": ("mpi", "shm")}[algorithm]
     for result, kind in zip((across, here), transport):
-        line = f"sharded optimizer step (reduce-scatter, update, allgather) over {kind}" if kind else "allreduce (hier"
+        line = f"sharded optimizer step (reduce-scatter, update, allgather) over {kind}"
         assert line in result.stdout, show(result)
     if algorithm == "ring":
         # The ring's order of additions does not depend on where ranks run: bitwise equal.

@@ -197,12 +197,12 @@ def test_broadcast(xp):
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float32, np.int64])
 def test_shared_memory_in_blocks_matches_mpi(dtype):
-    # Above HALF_BYTES the window works in rounds that alternate between two
-    # halves of each slot: a prime length past it crosses several rounds and
-    # ends in a partial one.
-    from ringtrain.comm.window import HALF_BYTES
+    # Above one stage the window works in rounds that go round a ring of
+    # stages: a length past all of them reuses each stage and ends in a
+    # partial round.
+    from ringtrain.comm.window import STAGE_BYTES, STAGES
 
-    n = HALF_BYTES // np.dtype(dtype).itemsize + 100_003
+    n = STAGES * STAGE_BYTES // np.dtype(dtype).itemsize + 100_003
     x = data(n, dtype, seed=7)
     want = reference(x, "sum")
     got = allreduce(x, "sum", comm, algorithm="shm")

@@ -14,6 +14,8 @@ from references import data, reference, same_everywhere
 from ringtrain.comm import allreduce, allreduce_, allreduce_many_
 from ringtrain.comm.hierarchical import Hierarchy
 from ringtrain.comm.policy import SMALL_BYTES
+from ringtrain.comm.transports import create_transport
+from ringtrain.comm.window import STAGE_BYTES
 from ringtrain.errors import MismatchError
 
 comm = MPI.COMM_WORLD
@@ -109,3 +111,57 @@ def test_mismatched_lengths_raise_on_every_rank():
     x = np.ones(SMALL_BYTES + (rank == 1), np.float32)
     with pytest.raises(MismatchError, match="lengths"):
         allreduce_(x, "sum", comm, algorithm="hierarchical")
+
+
+def _host_sizes(grouping):
+    """How many ranks each made-up host has under ``grouping``."""
+    colours = [r // 2 if grouping == "blocks of two" else r % 2 for r in range(size)]
+    return sorted(colours.count(c) for c in set(colours))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [3, 1009, 2 * STAGE_BYTES // 8 + 77])  # the last takes several window rounds
+@pytest.mark.parametrize("grouping", GROUPINGS[1:])
+def test_two_level_phases_over_made_up_hosts(grouping, n):
+    # Equal hosts: both phases (window within, ring among chunk owners across),
+    # bitwise the allreduce. Unequal hosts: the leader-based allreduce only.
+    dup = comm.Dup()
+    Hierarchy.attach(dup, rank // 2 if grouping == "blocks of two" else rank % 2)
+    transport = create_transport("hierarchical", dup)
+    x = data(n, np.float64, seed=5)
+    want = reference(x)
+    fused = x.copy()
+    transport.allreduce(fused)
+    two_phase = transport.two_phase
+    phased, chunk, span = x.copy(), None, None
+    if two_phase:
+        transport.reduce_scatter(phased)
+        span = transport.owned(n)
+        chunk = phased[span[0]:span[1]].copy()
+        transport.allgather(phased)
+    spans = comm.allgather(span)
+    transport.close()
+    dup.Free()
+    sizes = _host_sizes(grouping)
+    assert two_phase == (size == 1 or min(sizes) == max(sizes))
+    np.testing.assert_allclose(fused, want, rtol=1e-12, atol=1e-12)
+    assert same_everywhere(fused)
+    if two_phase:
+        assert np.array_equal(phased, fused)
+        assert np.array_equal(chunk, fused[span[0]:span[1]])
+        spans = sorted(spans)  # every element is reduced by exactly one rank
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_only_chunk_owners_pair_up_across_hosts():
+    # Blocks of two: local rank l of each host owns window chunk l, so the
+    # ranks that talk across hosts are those with the same local rank.
+    dup = comm.Dup()
+    Hierarchy.attach(dup, rank // 2)
+    transport = create_transport("hierarchical", dup)
+    across = transport.across.group.Translate_ranks(list(range(transport.across.Get_size())), dup.group)
+    transport.close()
+    dup.Free()
+    assert across == [r for r in range(size) if r % 2 == rank % 2 and r // 2 < size // 2 or r == rank]

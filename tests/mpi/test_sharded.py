@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain.comm import allreduce_
+from ringtrain.comm.policy import WINDOW_BYTES
 from ringtrain.models import build_model, flat_layout
 from ringtrain.optim import build_optimizer
 from ringtrain.training.sharded import ShardedStep
@@ -36,7 +37,7 @@ def batch(shape, step):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi"])
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi", "hierarchical"])
 @pytest.mark.parametrize("name, settings", OPTIMIZERS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, name, settings, shape):
@@ -78,7 +79,7 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, na
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi"])
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi", "hierarchical"])
 def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
     model, opt = model_and_optimizer(SHAPES[0], "sgd", {})
     sharded = ShardedStep.create(model, opt, comm, algorithm)
@@ -106,7 +107,7 @@ def test_small_sum_is_mpis_sum_and_a_bad_chunk_is_known_everywhere(algorithm):
 def test_create_declines_where_the_step_cannot_be_sharded():
     model, opt = model_and_optimizer(SHAPES[0], "sgd", {})
     unordered = build_optimizer("sgd", model.params, lr=0.1)  # state in the params' order, not the buffer's
-    big = build_model("mlp", 1024, 10, hidden=(1024,), seed=0)  # 4.2 MB: past the window's cap for "auto"
+    big = build_model("mlp", 1024, 10, hidden=(WINDOW_BYTES // 4096 + 64,), seed=0)  # past the window's cap for "auto"
     big_opt = build_optimizer("sgd", big.params, lr=0.1, order=flat_layout(big).order)
 
     class Loose:  # not a FlatModel: no flat buffers to shard
@@ -115,15 +116,16 @@ def test_create_declines_where_the_step_cannot_be_sharded():
 
     declined = [ShardedStep.create(model, unordered, comm, "auto"),
                 ShardedStep.create(Loose(), build_optimizer("sgd", Loose.params, lr=0.1), comm, "auto")]
-    hierarchical = ShardedStep.create(model, opt, comm, "hierarchical")  # no reduce-scatter (one rank needs none)
+    # Every host (here one) runs the same number of ranks: the hierarchical transport has both phases.
+    hierarchical = ShardedStep.create(model, opt, comm, "hierarchical")
+    hierarchical_kind = hierarchical.kind
     kinds = []
     for m, o, algorithm in [(big, big_opt, "auto"), (big, big_opt, "shm"), (model, opt, "mpi"), (model, opt, "auto")]:
         made = ShardedStep.create(m, o, comm, algorithm)
         kinds.append(made.kind)
         made.close()
-    if hierarchical is not None:
-        hierarchical.close()
+    hierarchical.close()
     assert declined == [None] * len(declined)
-    assert (hierarchical is None) == (size > 1)
+    assert hierarchical_kind == ("local" if size == 1 else "hierarchical")
     # Past the cap: the ring; "shm" forced takes any size; "mpi" forced; small on one host: shared memory.
     assert kinds == (["local"] * 4 if size == 1 else ["ring", "shm", "mpi", "shm"])
