@@ -13,17 +13,19 @@ A buffer goes in rounds; round ``k`` handles piece ``k`` of every chunk:
 
 1. publish: each rank copies piece ``k`` of the chunks its peers own into
    its own slot, and raises its flag;
-2. reduce: each owner adds, into its own piece, every peer's copy in rank
-   order (its own values first, then the peers': a fixed order, so results
-   repeat exactly), waiting on each peer's flag just before it reads it;
+2. reduce: each owner combines, into its own piece, every rank's values in
+   rank order (rank 0's, then rank 1's, ...: its own join at its place),
+   waiting on each peer's flag just before it reads it;
 3. allgather: the owner publishes the reduced piece and raises its flag
    again; every rank copies every other owner's piece from its slot.
 
 :meth:`WindowTransport.allreduce` runs the three per round, while the piece
 is still in cache; the reduce-scatter alone is 1-2 and the allgather alone
-is 3. Which rank owns an element, and the order its values are added in,
-depend only on the buffer's length and the rank count, never on the round
-size: the phases and the fused allreduce give bitwise the same result.
+is 3. Every element is summed in rank order whoever owns it, so the result
+depends on nothing but the values: not on the round size, nor on how a
+caller cuts a gradient into buckets. The phases, the fused allreduce, a
+bucketed allreduce and the sharded step over the whole buffer all give
+bitwise the same result, at any rank count; and every rank gets the same bits.
 
 No barriers: flags, so that a late rank delays only the ranks that need its
 data, and only by as long as it is late. Every round (every phase, every
@@ -250,6 +252,7 @@ class WindowTransport(Transport):
         self._unit = 0
         self._regions = {}  # (dtype, stage) -> [rank][owner] region views
         self._shared = {}   # address of this rank's shared array -> every rank's array
+        self._partial = None  # private scratch for the rank-order sum (see _sum_in_rank_order)
         self._shared_used = 0
         self._others = [r for r in range(self.size) if r != self.rank]
         self._stage_count = len(arena.stages[0])
@@ -389,18 +392,44 @@ class WindowTransport(Transport):
 
     def _reduce_piece(self, x, regions, bounds, k, piece, combine, unit):
         a, b = piece_bounds(bounds, self.rank, k, piece)
-        chunk = x[a:b]
         wanted = posted_value(unit, False)
-        for peer in self._others:  # own values first, then the peers' in rank order
-            self.arena.wait(peer, _POSTED, wanted)
-            combine(chunk, regions[peer][self.rank][:b - a], out=chunk)
+
+        def contribution(peer):
+            self.arena.wait(peer, _POSTED, wanted)  # that peer has published this round's pieces
+            return regions[peer][self.rank][:b - a]
+
+        self._sum_in_rank_order(x[a:b], contribution, combine)
         return a, b
 
     def _reduce_shared(self, x, peers, combine):
         a, b = self.owned(x.size)
-        chunk = x[a:b]
-        for peer in self._others:  # the order _reduce_piece uses: bitwise its result
-            combine(chunk, peers[peer][a:b], out=chunk)
+        self._sum_in_rank_order(x[a:b], lambda peer: peers[peer][a:b], combine)
+
+    def _sum_in_rank_order(self, chunk, contribution, combine):
+        """``chunk`` (this rank's own values) becomes rank 0's values combined with rank 1's, ..., in rank order.
+
+        Every element is combined in the same order whoever owns it, so the
+        result does not depend on how the buffer is cut into chunks, pieces
+        or buckets: the allreduce of a gradient in buckets and the sharded
+        step over the whole buffer give the same bits at any rank count.
+        ``contribution(peer)`` is that peer's values for ``chunk``.
+        """
+        rank = self.rank
+        if rank == 1:
+            combine(contribution(0), chunk, out=chunk)  # a + b is b + a, bitwise
+        elif rank > 1:
+            partial = self._scratch(chunk)  # ranks 0..rank-1, before this rank's own values join
+            combine(contribution(0), contribution(1), out=partial)
+            for peer in range(2, rank):
+                combine(partial, contribution(peer), out=partial)
+            combine(partial, chunk, out=chunk)
+        for peer in range(rank + 1, self.size):
+            combine(chunk, contribution(peer), out=chunk)
+
+    def _scratch(self, like):
+        if self._partial is None or self._partial.nbytes < like.nbytes:
+            self._partial = np.empty(like.nbytes, np.uint8)
+        return self._partial[:like.nbytes].view(like.dtype)
 
     def _gather_piece(self, x, regions, bounds, k, piece, unit):
         wanted = posted_value(unit, True)

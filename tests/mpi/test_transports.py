@@ -97,3 +97,20 @@ def test_small_sums_back_to_back(name):
     dup.Free()
     total = size * (size - 1) / 2
     assert [list(s) for s in sums] == [[total + k * size, -size, 0.5 * size] for k in range(3)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("cut", [1, 7, 50_000])
+def test_window_results_do_not_depend_on_how_the_buffer_is_cut(cut):
+    # Every element is summed in rank order whoever owns it: a gradient
+    # reduced in buckets equals the sharded step's one reduce-scatter over it.
+    dup = comm.Dup()
+    transport = create_transport("shm", dup)
+    whole = data(100_003, np.float32, 8)
+    parts = whole.copy()
+    transport.allreduce(whole)
+    transport.allreduce(parts[:cut])
+    transport.allreduce(parts[cut:])
+    transport.close()
+    dup.Free()
+    assert np.array_equal(whole, parts)
