@@ -24,7 +24,8 @@ How the pieces fit:
 from .buckets import allreduce_many_, plan_buckets
 from .collectives import allreduce, allreduce_, broadcast_
 from .reducer import Reducer
+from .state import release
 from .transports import TRANSPORTS, create_transport
 
 __all__ = ["allreduce", "allreduce_", "allreduce_many_", "broadcast_", "plan_buckets", "Reducer", "TRANSPORTS",
-           "create_transport"]
+           "create_transport", "release"]

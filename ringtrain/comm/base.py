@@ -2,7 +2,7 @@
 
 A transport reduces one 1-D contiguous buffer of ``n`` elements among the
 ranks of its communicator, split into one chunk per rank
-(:func:`ringtrain.comm.ring.chunk_bounds`), in two phases:
+(:func:`ringtrain.comm.schedule.chunk_bounds`), in two phases:
 
 * :meth:`Transport.reduce_scatter`: afterwards this rank's chunk
   (:meth:`Transport.owned`) holds the reduction of that chunk over every

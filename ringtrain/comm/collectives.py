@@ -72,9 +72,9 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
             raise UsageError(f"{who}: {message}", everywhere=True)
         return flat
     dtype = flat.dtype
-    header = (code, narrays, DTYPE_CODE.get(dtype, 0), flat.size, OP_CODE.get(op, 0),
-              ALGORITHM_CODE.get(algorithm, 0), 0, signature)
     gpu = backend.is_gpu_array(flat)
+    header = (code, narrays, DTYPE_CODE.get(dtype, 0), flat.size, OP_CODE.get(op, 0),
+              ALGORITHM_CODE.get(algorithm, 0), 0, signature, int(gpu))
     combine = COMBINE.get(op)
     small = code == 0 and algorithm == "auto" and flat.nbytes <= SMALL_BYTES
     # float16 sums overflow easily: divide first (as PyTorch DDP does) for fp16 only;
@@ -252,8 +252,7 @@ def broadcast_(x, root=0, comm=None):
         if code:
             raise UsageError(f"broadcast_: {message}", everywhere=True)
         return x
-    header = (code, 1, DTYPE_CODE.get(dtype, 0), x.size, BROADCAST, 0,
-              root, 0)
+    header = (code, 1, DTYPE_CODE.get(dtype, 0), x.size, BROADCAST, 0, root, 0, int(backend.is_gpu_array(x)))
     verdict = exchange(state, header, None, None, None)
     if verdict is not None:
         raise_mismatch("broadcast_", header, verdict, message)

@@ -79,8 +79,10 @@ def cuda_aware(environ=None):
     """
     import os
 
-    import mpi4py.MPI  # noqa: F401 - initialises MPI, which the query needs
+    from mpi4py import MPI
 
+    if not MPI.Is_initialized():  # mpi4py initialises on import unless told not to; the query needs it
+        MPI.Init_thread()
     environ = os.environ if environ is None else environ
     override = environ.get(ENV)
     return verdict(override, None if override is not None else _query())

@@ -64,7 +64,7 @@ ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 COMBINE = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
 
 # Header fields, in the order a mismatch is reported (the most telling first).
-FIELDS = ("problem", "narrays", "dtype", "length", "op", "algorithm", "root", "signature")
+FIELDS = ("problem", "narrays", "dtype", "length", "op", "algorithm", "root", "signature", "device")
 NFIELDS = len(FIELDS)
 HEADER = struct.Struct(f"<{2 * NFIELDS}q")
 HEADER_BYTES = HEADER.size
@@ -119,6 +119,8 @@ def _describe(field, value):
         return repr(ALGORITHMS[value - 1]) if 0 < value <= len(ALGORITHMS) else "an unknown algorithm"
     if field == "length":
         return f"{value} elements"
+    if field == "device":
+        return "a GPU (CuPy) array" if value else "a host (NumPy) array"
     return str(value)
 
 
@@ -150,7 +152,8 @@ def raise_mismatch(who, header, verdict, local_problem):
             if field == "signature":
                 what = "lists of arrays with different shapes or dtypes"
             else:
-                label = {"narrays": "numbers of arrays", "length": "lengths"}.get(field, field + "s")
+                label = {"narrays": "numbers of arrays", "length": "lengths", "device": "kinds of array"}.get(
+                    field, field + "s")
                 what = f"different {label}: {_describe(field, lowest[i])} and {_describe(field, highest[i])}"
                 what += f" (this rank: {_describe(field, header[i])})"
             raise MismatchError(f"{who}: ranks passed {what}; every rank must make the same calls, "
@@ -242,6 +245,7 @@ def exchange(state, header, payload, combine, out):
     if agreed and payload is not None and (last < 0 or state.doubling[last][0] == "unfold"):
         out[...] = payload
     return _verdict(agreed, state.send_header)
+
 
 def _verdict(agreed, header):
     if agreed:

@@ -2,7 +2,7 @@
 
 At 2 ranks the latency-bound allreduce is dominated by Python, not by the
 wire. :func:`pair_plan` prepares, once per call shape, a :class:`PairPlan`
-that replays the header-checked exchange of :meth:`ringtrain.comm.state.CommState.exchange`
+that replays the header-checked exchange of :func:`ringtrain.comm.header.exchange`
 with a persistent send and receive. The plans are kept on the communicator's
 :class:`~ringtrain.comm.state.CommState` and freed with it.
 """
@@ -28,13 +28,13 @@ class PairPlan:
     preallocated message whose header is already written, the received
     payload's view, the operands in rank order and a persistent send and
     receive, so a repeated call is a dict lookup, one copy in, one exchange
-    (``Startall``/``Waitall``), a 128-byte comparison of the header heard
+    (``Startall``/``Waitall``), a 144-byte comparison of the header heard
     against our own, and one combine written straight into ``x``. Any
     strides work: the copy in and the combine's ``out=`` both take them.
     Measured at 2 ranks, 4 KiB float32 sum: MPI's ``Allreduce`` 4.1 us, a
     bare mpi4py ``Sendrecv`` of the same message 2.6 us, this path 3.9-4.5 us.
 
-    The check is the same as :meth:`CommState.exchange`'s: the receive
+    The check is the same as :func:`ringtrain.comm.header.exchange`'s: the receive
     buffer has room for any header plus the largest small payload, so a
     disagreeing peer cannot truncate, overrun or hang the call, and both
     ranks see the disagreement because each compares the other's header.
@@ -70,7 +70,7 @@ class PairPlan:
         if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
             combine = functools.partial(_combine_out, combine)
         self.combine = combine
-        # float16 sums overflow easily: divide first, as _reduce_flat does.
+        # float16 sums overflow easily: divide first, as reduce_flat does.
         self.predivide = op == "mean" and dtype == np.float16
         self.divide_after = op == "mean" and not self.predivide
         self.two = dtype.type(2)  # the rank count as a scalar of x's dtype: no conversion per call
@@ -120,7 +120,7 @@ def pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
         if (state.size == 2 and type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
                 and op in OP_CODE and dtype in DTYPE_CODE and not (op == "mean" and dtype.kind != "f")):
             header = (0, narrays, DTYPE_CODE[dtype], x.size, OP_CODE[op], ALGORITHM_CODE[algorithm], 0,
-                      signature)
+                      signature, 0)
             plan = PairPlan(state, who, header, dtype, x.shape, op)
         plans[key] = plan
     return plan

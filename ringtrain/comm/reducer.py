@@ -44,7 +44,7 @@ from ..failure import agree
 from ..flat import contiguous_span
 from .buckets import check_list, pack, plan_buckets, reduce_bucket, travels_as_fp16, unpack
 from .collectives import NO_PROBLEM
-from .state import CommState
+from .state import CommState, release
 
 __all__ = ["Reducer"]
 
@@ -185,10 +185,7 @@ class Reducer:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
-        # Plans hold persistent requests on the duplicate: freed first, the
-        # communicator's free is immediate.
-        self.state.close()
-        self.comm.Free()
+        release(self.comm)  # its plans' persistent requests first, so the free is immediate
         self.comm = None
 
     def __enter__(self):

@@ -2,7 +2,7 @@
 
 Pure: no MPI, tested on its own. The ring (:mod:`ringtrain.comm.ring`), the
 window (:mod:`ringtrain.comm.window`) and the header exchange
-(:mod:`ringtrain.comm.state`) follow these schedules.
+(:mod:`ringtrain.comm.header`) follow these schedules.
 """
 
 __all__ = ["chunk_bounds", "ring_schedule", "segments", "doubling_schedule"]

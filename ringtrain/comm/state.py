@@ -10,7 +10,11 @@ reused, so steady-state calls allocate nothing.
 
 The state lives and dies with its communicator: freeing the communicator
 (``comm.Free()``) closes its transports (the shared-memory window among
-them) and frees the plans' persistent requests.
+them). One exception: the persistent requests of 2-rank small-call plans
+keep MPI from destroying a freed communicator until they are freed, and
+MPI then deletes the state from inside ``MPI_Request_free``, where no other
+MPI call may run. So free a communicator ringtrain has used with
+:func:`release`, which closes the state first.
 """
 
 import atexit
@@ -23,7 +27,7 @@ from .policy import SMALL_BYTES, choose_transport
 from .schedule import doubling_schedule
 from .transports import create_transport
 
-__all__ = ["CommState", "state_of"]
+__all__ = ["CommState", "state_of", "release"]
 
 
 class CommState:
@@ -164,6 +168,15 @@ def state_of(comm):
 
         comm = MPI.COMM_WORLD
     return CommState.of(comm)
+
+
+def release(comm):
+    """Close ringtrain's state on ``comm`` (its windows, mappings and plans), then free ``comm`` (collective)."""
+    if CommState._keyval is not None:
+        state = comm.Get_attr(CommState._keyval)
+        if state is not None:
+            state.close()
+    comm.Free()
 
 
 def _free_state(comm, keyval, state):

@@ -133,7 +133,10 @@ def _start(cfg, comm, spec, model, stream, threads, dog):
     with _starting(dog, "model check"):
         check_same_params(comm, model.params)
     lr = scaled_lr(cfg.lr, comm.Get_size(), cfg.scale_lr)
-    layout = flat_layout(model)
+    try:
+        layout = flat_layout(model)
+    except ValueError as exc:  # a FlatModel that broke its contract: every rank built the same model
+        raise UsageError(f"the model's flat buffers: {exc}", everywhere=True) from None
     # State laid out like the model's flat buffers, so a rank can update just its shard.
     opt = build_optimizer(cfg.optimizer, model.params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                           order=layout.order if layout is not None else None)
@@ -237,7 +240,7 @@ class _Run:
         with self.phases.local("data", step):
             xb, yb = self.xp.asarray(self.data.x[rows]), self.xp.asarray(self.data.y[rows])
         lr = learning_rate(step, self.base_lr, warmup_steps=self.cfg.warmup_steps)
-        return self.strategy.step(step, xb, yb, lr, self._stop_verdict(step + 1), self.metrics)
+        return self.strategy.step(step, xb, yb, lr, lambda: self._stop_verdict(step + 1), self.metrics)
 
     # -- what the loop calls --------------------------------------------------
     def _announce(self):
@@ -287,7 +290,7 @@ class _Run:
                                   self.last_eval))
         if epoch < cfg.epochs and stopped is None:
             self._checkpoint(step, epoch, index, streak)
-        self.meter.restart_window()  # evaluation and checkpoints are not training time
+        self.meter.restart()  # evaluation and checkpoints are not training time
 
     def _evaluate(self, step, epoch):
         with self.phases.watched("evaluation allreduce", step):

@@ -45,11 +45,15 @@ class Meter:
         self.window_start, self.window_steps = self.clock(), 0
 
     def take_epoch(self):
-        """``(sums, seconds)`` of the epoch just ended; starts the next."""
+        """``(sums, seconds)`` of the epoch just ended; the next one's sums start from zero."""
         sums, seconds = self.epoch.copy(), self.clock() - self.epoch_start
         self.epoch[:] = 0
-        self.epoch_start = self.clock()
         return sums, seconds
+
+    def restart(self):
+        """Start the next window's and the next epoch's clocks now (after evaluation and checkpoints)."""
+        self.restart_window()
+        self.epoch_start = self.clock()
 
 
 def epoch_line(epoch, epochs, sums, seconds, elapsed, last_eval):

@@ -47,7 +47,7 @@ import numpy as np
 from .. import backend
 from ..comm.cuda import cuda_aware
 from ..comm.policy import SMALL_VALUES, choose_transport
-from ..comm.state import state_of
+from ..comm.state import release, state_of
 from ..comm.transports import create_transport
 from ..models import flat_layout
 
@@ -166,8 +166,7 @@ class ShardedStep:
             xp = backend.get_array_module(self.model.param_buffer)
             self.model.rebind(xp.empty_like(self.model.param_buffer), xp.empty_like(self.model.grad_buffer))
         self.transport.close()
-        state_of(self.comm).close()
-        self.comm.Free()
+        release(self.comm)
 
 
 def _aligned(nbytes):

@@ -88,7 +88,9 @@ class Strategy:
             step: the global step number (for the timeline and the watchdog).
             xb, yb: this rank's batch.
             lr: the learning rate of this step.
-            stop: this rank's stop verdict for :attr:`Slot.STOP` (0 to go on).
+            stop: returns this rank's stop verdict for :attr:`Slot.STOP` (0 to go on);
+                called once the step's work is done, just before the metrics sum,
+                so a time limit counts the step's own time.
             metrics: written with the step's sums over every rank.
 
         Returns:
@@ -129,7 +131,7 @@ class AllreduceThenUpdate(Strategy):
         if finite:
             with self.phases.local("optimizer", step):
                 self.opt.step(self.model.params, grads, lr)
-        metrics[:] = (loss * rows, correct, rows, stop, 0.0)
+        metrics[:] = (loss * rows, correct, rows, stop(), 0.0)
         with self.phases.watched("metrics allreduce", step):
             self.comm.Allreduce(_in_place(), metrics)
         return finite
@@ -195,7 +197,7 @@ class ShardedUpdate(Strategy):
         # Each rank holds only its chunk of the reduced gradient, so finiteness
         # is agreed in the metrics sum, before anyone updates.
         finite = bool(self.xp.isfinite(chunk).all())
-        metrics[:] = (loss * len(xb), correct, len(xb), stop, 0.0 if finite else 1.0)
+        metrics[:] = (loss * len(xb), correct, len(xb), stop(), 0.0 if finite else 1.0)
         with phases.watched("metrics allreduce", step):
             sharded.sum_small(metrics)
         if metrics[Slot.NONFINITE] > 0:
@@ -238,7 +240,7 @@ def choose_strategy(cfg, model, opt, comm, phases):
         if sharded is not None:
             return ShardedUpdate(sharded, phases), None
         why = comm.bcast(shardable(model, opt) or f"--allreduce {cfg.allreduce} offers no reduce-scatter here "
-                         "(hierarchical, or a GPU without CUDA IPC or a CUDA-aware MPI)", root=0)
+                         "(hierarchical across hosts of different sizes, or a GPU without CUDA IPC or a CUDA-aware MPI)", root=0)
     return AllreduceThenUpdate(model, opt, comm, phases, **options), why or None
 
 
