@@ -240,7 +240,8 @@ def choose_strategy(cfg, model, opt, comm, phases):
         if sharded is not None:
             return ShardedUpdate(sharded, phases), None
         why = comm.bcast(shardable(model, opt) or f"--allreduce {cfg.allreduce} offers no reduce-scatter here "
-                         "(hierarchical across hosts of different sizes, or a GPU without CUDA IPC or a CUDA-aware MPI)", root=0)
+                         "(hierarchical across hosts of different sizes, or a GPU without CUDA IPC or a "
+                         "CUDA-aware MPI)", root=0)
     return AllreduceThenUpdate(model, opt, comm, phases, **options), why or None
 
 
