@@ -98,6 +98,8 @@ class Shard:
         test_bounds: ``(start, stop)`` of this shard among the evaluation rows.
         image_shape: ``(channels, height, width)`` of one row when the rows
             are images (digits, mnist5k, image arrays), else None.
+        scaling: the :class:`ringtrain.training.standardize.Scaling` that
+            ``x`` and ``x_test`` were standardised with, or None (as read).
     """
 
     x: np.ndarray
@@ -114,6 +116,7 @@ class Shard:
     train_bounds: tuple = (0, 0)
     test_bounds: tuple = (0, 0)
     image_shape: tuple = None
+    scaling: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,10 +2,15 @@
 
 Every flag is a field of :class:`ringtrain.training.config.TrainConfig`; ``--config
 FILE`` (TOML or YAML) sets the same names, and flags override the file.
+
+Stopped by SIGINT, SIGTERM or SIGUSR1, it checkpoints, prints
+``stopped at step N (SIGTERM); checkpoint PATH; run the same command to
+resume`` and exits 130, 143 or 138 (128 + the signal's number) on every rank.
 """
 
 import argparse
 import dataclasses
+import sys
 
 from ..training.config import FIELDS, TrainConfig, flag_name, load_config_file, parse_ints, resolve, type_name
 
@@ -43,8 +48,15 @@ def config_from_args(args):
 
 
 def run(args):
+    from mpi4py import MPI
+
     from ..training.loop import train
+    from ..training.stopping import EXIT_STATUS, stopped_line
 
     cfg = config_from_args(args)
-    train(cfg)
-    return 0
+    result = train(cfg)
+    if result.stopped not in EXIT_STATUS:
+        return 0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(stopped_line(result.stopped, result.step, result.checkpoint), file=sys.stderr, flush=True)
+    return EXIT_STATUS[result.stopped]
