@@ -162,3 +162,35 @@ def test_train_stops_on_a_signal_and_restores_the_handlers_it_found(tmp_path):
     # Caught in the third step, after that step's verdict was taken: the next step carries it.
     assert (result.stopped, result.step) == ("sigterm", 4)
     assert result.checkpoint == str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.npz")
+
+
+def test_progress_bar_on_a_terminal_leaves_epoch_lines_whole(tmp_path):
+    # stdout and stderr on one terminal, as a user has them: each epoch line
+    # must start a line (after the bar was cleared by a carriage return), never
+    # be glued to the bar ('...450.56step/s]epoch 14/40').
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: ringtrain train on an 100-column terminal (a new pty has 0 columns)
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        os.chdir(ROOT)
+        env = jobs.test_env()
+        os.execve(sys.executable, [sys.executable, SLOW, "0.002", *FLAGS, "--epochs", "4", "--progress",
+                                   "--run-dir", str(tmp_path / "run")], env)
+    output, deadline = b"", time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.waitpid(pid, 0)
+    text = output.decode("utf-8", "replace")
+    assert "step/s]" in text, text  # a bar was drawn
+    epochs = [seg for line in text.split("\n") for seg in line.split("\r") if "/4  loss" in seg]
+    assert len(epochs) == 4 and all(seg.startswith("epoch ") for seg in epochs), epochs
