@@ -106,6 +106,9 @@ def run(args):
                          "bytes (2^31 - 1 float32 elements, the largest count every MPI accepts)", everywhere=True)
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:  # every rank sees the size, so every rank raises this
+        raise UsageError("bench allreduce needs at least 2 ranks (there is nothing to reduce across one); run it "
+                         "as mpirun -np 2 ringtrain bench allreduce", everywhere=True)
     factor = 2 * (size - 1) / size if size > 1 else 1.0
     copy = memcpy_rate()
     copy = comm.allreduce(copy, MPI.MIN)
