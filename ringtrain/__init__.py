@@ -48,4 +48,15 @@ __all__ = [
     "TrainResult",
     "train",
     "ShardedStep",
+    "interop",
 ]
+
+
+def __getattr__(name):
+    # ringtrain.interop (PyTorch gradients) on first use: it imports torch only
+    # inside its functions, but loading it lazily keeps `import ringtrain` lean.
+    if name == "interop":
+        import importlib
+
+        return importlib.import_module(".interop", __name__)
+    raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

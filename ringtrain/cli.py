@@ -34,7 +34,15 @@ COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line raised as UsageError, not usage text and exit."""
+    """argparse, but an error is one line raised as UsageError, not usage text and exit.
+
+    Abbreviations are off: ``--epoch 3`` must not be taken silently as
+    ``--epochs 3`` (and would change meaning when a flag is added).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(f"{message} (see '{self.prog} --help')", everywhere=True)

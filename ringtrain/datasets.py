@@ -31,7 +31,7 @@ Datasets:
   ``x_test`` and ``y_test``; or a directory holding ``x.npy`` and ``y.npy``
   (optionally ``x_test.npy``, ``y_test.npy``). Features are used as given,
   cast to float32: scale them yourself, the same way for training and test
-  rows. Rows of a directory are memory-mapped, so each rank reads only its
+  rows, or train with ``--standardize`` (:mod:`ringtrain.training.standardize`). Rows of a directory are memory-mapped, so each rank reads only its
   own rows; an ``.npz`` is read whole by every rank. Pickled objects are
   never loaded (``allow_pickle=False``). The number of classes is
   ``num_classes`` if given, else the largest label plus one. ``x`` may also
@@ -98,6 +98,8 @@ class Shard:
         test_bounds: ``(start, stop)`` of this shard among the evaluation rows.
         image_shape: ``(channels, height, width)`` of one row when the rows
             are images (digits, mnist5k, image arrays), else None.
+        scaling: the :class:`ringtrain.training.standardize.Scaling` that
+            ``x`` and ``x_test`` were standardised with, or None (as read).
     """
 
     x: np.ndarray
@@ -114,6 +116,7 @@ class Shard:
     train_bounds: tuple = (0, 0)
     test_bounds: tuple = (0, 0)
     image_shape: tuple = None
+    scaling: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,11 +202,16 @@ class EpochPlan:
         return order
 
     def batch(self, epoch, step):
-        """Indices into this rank's shard for one ``(epoch, step)``."""
+        """Indices into this rank's shard for one ``(epoch, step)``: a fresh, writeable int64 array.
+
+        A copy (``batch_size`` integers), not a view of the cached, read-only
+        :meth:`epoch_order`: ``torch.as_tensor``/``from_numpy`` and indexing a
+        tensor with it warn about a non-writeable array otherwise.
+        """
         if not 0 <= step < self.steps_per_epoch:
             raise ValueError(f"step must be in [0, {self.steps_per_epoch}), got {step}")
         order = self.epoch_order(epoch)
-        return order[step * self.batch_size:(step + 1) * self.batch_size]
+        return order[step * self.batch_size:(step + 1) * self.batch_size].copy()
 
     batch_indices = batch
 

@@ -84,7 +84,7 @@ def _time(step, batches):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="BLAS / torch threads (default 1)")
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks per contestant (default 5)")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed block (default 30)")

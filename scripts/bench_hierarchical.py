@@ -51,7 +51,7 @@ def timed(comm, x, reference, iters):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="4M,16M,64M", help="comma-separated message sizes (default 4M,16M,64M)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

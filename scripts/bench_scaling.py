@@ -47,7 +47,7 @@ def one_run(np, run_dir, epochs, extra):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs at each size (default 5)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
     parser.add_argument("--variant", action="append", metavar="FLAGS",

@@ -248,7 +248,7 @@ def table(results, ranks, missing):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="launches per contestant and size (default 3)")
     parser.add_argument("--blocks", type=int, default=5, help=f"timed blocks of {BLOCK} steps per launch")
     parser.add_argument("--ranks", default="1,2", help="rank counts (default 1,2)")

@@ -46,7 +46,7 @@ ORDER = ["data", "forward+backward", "allreduce", "allreduce wait", "reduce-scat
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("trace", help="a --timeline file")
     parser.add_argument("--skip", type=int, default=20, help="leave out the first this many steps (default 20)")
     args = parser.parse_args(argv)

@@ -55,7 +55,7 @@ def sampled(model, every, samples):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20_000, help="optimizer steps in all")
     parser.add_argument("--warmup", type=int, default=500, help="steps before the first sample that counts")
     parser.add_argument("--tolerance-mb", type=float, default=4.0, help="allowed growth per rank, MiB")

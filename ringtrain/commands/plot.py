@@ -4,7 +4,9 @@ Reads ``RUN_DIR/metrics.jsonl`` (written by rank 0 during training) and draws
 three panels side by side: loss and accuracy against the step, the train
 windows as lines and the evaluations as markers, and the training throughput
 in samples per second (all ranks together). A resumed run appends to the same
-file, so a step recorded twice keeps its latest record. Needs matplotlib
+file, so a step recorded twice keeps its latest record; each resumption (a
+``resumed`` event) is marked with a dotted vertical line, and the title says
+how many ranks ran (from the ``start`` and ``resumed`` events). Needs matplotlib
 (``pip install 'ringtrain[plot]'``); it draws with the Agg backend, so no
 display is needed.
 
@@ -28,7 +30,7 @@ import sys
 from ..errors import UsageError
 from ..safeio import GiB, MiB, one_line, read_regular
 
-__all__ = ["read_metrics", "draw", "read_trace", "timeline_window", "draw_timeline"]
+__all__ = ["read_metrics", "draw", "read_trace", "timeline_window", "draw_timeline", "describe_ranks"]
 
 HELP = "draw a run's loss, accuracy and throughput curves (and its timeline) to PNG"
 
@@ -57,7 +59,10 @@ def add_arguments(parser):
 
 
 def read_metrics(run_dir, warn=_warn):
-    """Return ``{"train": [...], "eval": [...]}``: the events of ``run_dir``, by step, one per step.
+    """Return ``{"train": [...], "eval": [...], "starts": [...]}``: the events of ``run_dir``.
+
+    ``train`` and ``eval`` are by step, one per step; ``starts`` are the
+    ``start`` and ``resumed`` events in file order (each job's beginning).
 
     A torn last line (a run killed mid-write, or still writing) is skipped
     with a one-line ``warn``; any other line that is not a JSON object is a
@@ -77,6 +82,7 @@ def read_metrics(run_dir, warn=_warn):
                          "give the run directory of 'ringtrain train'") from None
     lines = text.splitlines()
     latest = {"train": {}, "eval": {}}
+    starts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -93,20 +99,35 @@ def read_metrics(run_dir, warn=_warn):
         kind = record.get("event")
         if kind in latest and isinstance(record.get("step"), int):
             latest[kind][record["step"]] = record
-    return {kind: [by_step[s] for s in sorted(by_step)] for kind, by_step in latest.items()}
+        elif kind in ("start", "resumed") and isinstance(record.get("step"), int):
+            starts.append(record)
+    metrics = {kind: [by_step[s] for s in sorted(by_step)] for kind, by_step in latest.items()}
+    metrics["starts"] = starts
+    return metrics
 
 
-def _title(run_dir):
+def describe_ranks(starts):
+    """``"2 ranks"``, ``"2 then 3 ranks"``, or "" when the log does not say (pure)."""
+    counts = [r["ranks"] for r in starts if isinstance(r.get("ranks"), int)]
+    counts = [n for i, n in enumerate(counts) if i == 0 or n != counts[i - 1]]
+    if not counts:
+        return ""
+    return " then ".join(map(str, counts)) + (" rank" if counts == [1] else " ranks")
+
+
+def _title(run_dir, starts=()):
+    ranks = describe_ranks(starts)
     try:
         cfg = json.loads(read_regular(os.path.join(run_dir, "config.json"), None, CONFIG_MAX_BYTES))
         if not isinstance(cfg, dict):
             raise ValueError
     except (UsageError, ValueError):  # the title is a nicety: a bad config.json only loses it
-        return os.path.basename(os.path.normpath(run_dir))
+        return os.path.basename(os.path.normpath(run_dir)) + (f", {ranks}" if ranks else "")
     model = cfg.get("model", "?")
     if model == "mlp" and cfg.get("hidden"):
         model += " " + "-".join(map(str, cfg["hidden"]))
-    return f"{cfg.get('dataset', '?')}, {model}, batch {cfg.get('batch_size', '?')} per rank"
+    return (f"{cfg.get('dataset', '?')}, {model}, batch {cfg.get('batch_size', '?')} per rank"
+            + (f", {ranks}" if ranks else ""))
 
 
 def _pyplot():
@@ -135,7 +156,11 @@ def draw(metrics, path, title=""):
     from matplotlib.ticker import FuncFormatter, PercentFormatter
 
     train, evals = metrics["train"], metrics["eval"]
+    resumed = [r["step"] for r in metrics.get("starts", ()) if r.get("event") == "resumed"]
     fig, (loss_ax, acc_ax, speed_ax) = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
+    for ax in (loss_ax, acc_ax, speed_ax):
+        for i, step in enumerate(resumed):
+            ax.axvline(step, color="gray", linestyle=":", linewidth=1, label="resumed" if i == 0 else None)
     for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "accuracy", "accuracy")):
         if train:
             ax.plot([r["step"] for r in train], [r[key] for r in train], color="tab:blue", label="train")
@@ -233,11 +258,11 @@ def run(args):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out-dir {out_dir}: cannot create it ({exc.strerror})") from None
-    path = draw(metrics, os.path.join(out_dir, FILENAME), _title(args.run_dir))
+    path = draw(metrics, os.path.join(out_dir, FILENAME), _title(args.run_dir, metrics["starts"]))
     print(path)
     if spans is not None:
         rows, first = timeline_window(spans, 20 if args.from_step is None else args.from_step, args.steps)
         last = first + args.steps - 1
-        title = f"{_title(args.run_dir)}: " + (f"steps {first}-{last}" if last > first else f"step {first}")
+        title = f"{_title(args.run_dir, metrics['starts'])}: " + (f"steps {first}-{last}" if last > first else f"step {first}")
         print(draw_timeline(rows, os.path.join(out_dir, TIMELINE_FILENAME), title))
     return 0

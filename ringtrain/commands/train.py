@@ -2,6 +2,10 @@
 
 Every flag is a field of :class:`ringtrain.training.config.TrainConfig`; ``--config
 FILE`` (TOML or YAML) sets the same names, and flags override the file.
+
+Stopped by SIGINT, SIGTERM or SIGUSR1, it checkpoints, prints
+``stopped at step N (SIGTERM); checkpoint PATH; run the same command to
+resume`` and exits 130, 143 or 138 (128 + the signal's number) on every rank.
 """
 
 import argparse
@@ -60,17 +64,28 @@ def prepare(args):
 
 
 def run(args, cfg):
-    """Train; the exit status is 0, or FINAL_CHECKPOINT_MISSING when the run's end is not on disk."""
-    from ..training.loop import train
+    """Train; the exit status says how the run ended (see the README's exit statuses).
 
-    result = train(cfg)
-    if result.checkpoint is not None:
-        return 0
+    0 when it finished with its final checkpoint on disk; 130, 143 or 138
+    when a signal stopped it (with its checkpoint, and one line saying how to
+    resume); FINAL_CHECKPOINT_MISSING when the run's end is not on disk.
+    """
     from mpi4py import MPI
 
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        newest = (f"the newest checkpoint on disk is {result.newest_checkpoint}" if result.newest_checkpoint
-                  else "there is no checkpoint of this run on disk")
-        print(f"ringtrain: error: the final checkpoint (step {result.step}) was not written; {newest}",
-              file=sys.stderr, flush=True)
-    return FINAL_CHECKPOINT_MISSING
+    from ..training.loop import train
+    from ..training.stopping import EXIT_STATUS, stopped_line
+
+    result = train(cfg)
+    master = MPI.COMM_WORLD.Get_rank() == 0
+    if result.checkpoint is None:
+        if master:
+            newest = (f"the newest checkpoint on disk is {result.newest_checkpoint}" if result.newest_checkpoint
+                      else "there is no checkpoint of this run on disk")
+            print(f"ringtrain: error: the final checkpoint (step {result.step}) was not written; {newest}",
+                  file=sys.stderr, flush=True)
+        return FINAL_CHECKPOINT_MISSING
+    if result.stopped in EXIT_STATUS:
+        if master:
+            print(stopped_line(result.stopped, result.step, result.checkpoint), file=sys.stderr, flush=True)
+        return EXIT_STATUS[result.stopped]
+    return 0

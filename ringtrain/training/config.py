@@ -10,6 +10,8 @@ import dataclasses
 import math
 import os
 
+import numpy as np
+
 from ..comm.policy import ALGORITHMS
 from ..errors import UsageError
 from ..models import MODELS
@@ -63,6 +65,8 @@ class TrainConfig:
     device: str = _f("cpu", "cpu (NumPy) or gpu (CuPy; rank uses GPU local_rank %% count)", choices=("cpu", "gpu"))
     drop_last: bool = _f(False, "cut every rank to the shortest shard instead of padding short shards")
     test_fraction: float = _f(0.2, "held-out fraction when a dataset has no test split")
+    standardize: bool = _f(False, "scale each feature by the training rows' mean and standard deviation (exact "
+                                  "global statistics, stored in the checkpoints)")
     samples: int = _f(10000, "synthetic: number of samples")
     features: int = _f(32, "synthetic: number of features")
     classes: int = _f(10, "synthetic: number of classes")
@@ -86,9 +90,13 @@ class TrainConfig:
                         "or shm (shared memory, every rank on one host)",
                         choices=ALGORITHMS)
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
-    progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal")
+    progress: bool = _f(True, "show progress on rank 0: a bar when stderr is a terminal, else a line every "
+                              "--progress-every seconds")
+    progress_every: float = _f(30.0, "seconds between progress lines when stderr is not a terminal (the first "
+                                     "after 10 s at most)")
 
     def __post_init__(self):
+        _check_types(self)
         if self.hidden is None:  # unset: the model's own default, so every reader sees a tuple
             object.__setattr__(self, "hidden", DEFAULT_HIDDEN.get(self.model, DEFAULT_HIDDEN["mlp"]))
 
@@ -102,8 +110,8 @@ DEFAULT_HIDDEN = {"mlp": (256, 128), "cnn": (128,), "softmax": ()}
 
 # The settings that every rank must share; a difference is an error on every rank.
 MUST_MATCH = ("dataset", "model", "hidden", "channels", "kernel", "epochs", "batch_size", "lr", "optimizer", "momentum",
-              "weight_decay", "warmup_steps", "scale_lr", "seed", "drop_last", "test_fraction", "samples",
-              "features", "classes", "checkpoint_every", "max_steps", "nonfinite", "bucket_mb", "overlap",
+              "weight_decay", "warmup_steps", "scale_lr", "seed", "drop_last", "test_fraction", "standardize",
+              "samples", "features", "classes", "checkpoint_every", "max_steps", "nonfinite", "bucket_mb", "overlap",
               "fp16_allreduce", "shard_optimizer", "allreduce", "device", "resume", "eval_every", "log_every")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -183,6 +191,53 @@ def resume_differences(saved, cfg):
         elif rule == "future":
             changed.append((name, saved[name], now[name]))
     return refused, changed
+
+
+_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
+               "ints": "a tuple of integers like (128, 64)"}
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_types(cfg):
+    """Raise the CLI's one-line UsageError for a value of the wrong type, e.g. ``TrainConfig(epochs="3")``.
+
+    Values of the right kind are normalised in place: a list of ints to a
+    tuple, an int to a float where a number is expected, a path to a string.
+    """
+    for name, field in FIELDS.items():
+        value = getattr(cfg, name)
+        if value is None and field.default is None:  # unset optional (or model-dependent) setting
+            continue
+        kind = type_name(field)
+        fixed = _normalised(kind, value)
+        if fixed is None:
+            raise UsageError(f"{flag_name(name)}: must be {_KIND_WORDS[kind]}, got {value!r} "
+                             f"({type(value).__name__})", everywhere=True)
+        if fixed is not value:
+            object.__setattr__(cfg, name, fixed)
+
+
+def _normalised(kind, value):
+    """``value`` as the field's kind wants it, or None when it is of the wrong type."""
+    if kind == "ints":
+        if isinstance(value, (tuple, list)) and all(_is_int(v) for v in value):
+            return value if isinstance(value, tuple) and all(type(v) is int for v in value) else \
+                tuple(int(v) for v in value)
+        return None
+    if kind == "int":
+        return (value if type(value) is int else int(value)) if _is_int(value) else None
+    if kind == "float":
+        if _is_int(value) or isinstance(value, (float, np.floating)):
+            return value if type(value) is float else float(value)
+        return None
+    if kind == "bool":
+        return bool(value) if isinstance(value, (bool, np.bool_)) else None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    return value if isinstance(value, str) else None
 
 
 def type_name(field):
@@ -345,7 +400,8 @@ def validate(cfg, root=True):
         if value < 0 or (value == 0 and not allow_zero):
             bad(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
-    for name in ("epochs", "batch_size", "keep", "log_every", "samples", "features", "timeout", "bucket_mb"):
+    for name in ("epochs", "batch_size", "keep", "log_every", "samples", "features", "timeout", "bucket_mb",
+                 "progress_every"):
         positive(name)
     for name in ("lr",):
         positive(name)

@@ -14,7 +14,9 @@ is the master: it alone prints, writes the run directory and writes
 checkpoints; on resume it reads the checkpoint and broadcasts it.
 """
 
+import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -36,10 +38,13 @@ from ..watchdog import WatchedComm, Watchdog, left_neighbour
 from .config import MODEL_OPTIONS, TrainConfig, to_json, validate
 from .evaluate import reduce_eval
 from .meter import Meter, epoch_line
+from .progress import Progress, choose_mode
 from .replicas import check_params_everywhere, check_same_params, check_same_settings
 from .resume import resume, write_lineage
 from .runlog import RunLog, default_run_dir
-from .strategy import STOP_REASONS, Phases, Slot, choose_strategy
+from .standardize import scaling_arrays, standardize
+from .stopping import StopSignals
+from .strategy import VERDICTS, Phases, Slot, choose_strategy, stop_reason
 from .timeline import Timeline
 
 __all__ = ["train", "TrainResult"]
@@ -55,7 +60,7 @@ class TrainResult:
     train: dict           # the last train event: loss, accuracy, samples_per_sec
     eval: dict            # the last eval event: loss, accuracy (empty if none ran)
     run_dir: str
-    stopped: str          # "done", "max_time" or "max_steps"
+    stopped: str          # "done", "max_time", "max_steps", or the signal: "sigint", "sigterm", "sigusr1"
     checkpoint: str = None         # the final checkpoint's path; None when it could not be written
     newest_checkpoint: str = None  # when it could not: this run's newest checkpoint still on disk, or None
 
@@ -66,6 +71,12 @@ def train(cfg, comm=None, *, model=None, stream=None):
     While it runs, BLAS threads are capped at this rank's share of the host's
     cores (unless ``OMP_NUM_THREADS`` or the like is set); the process's own
     limits are restored when it returns.
+
+    While it runs, SIGINT, SIGTERM and SIGUSR1 stop training gracefully
+    (:mod:`ringtrain.training.stopping`): every rank finishes its step, all
+    stop after the same one, rank 0 writes a checkpoint, and ``train``
+    returns with ``stopped`` naming the signal. A second signal aborts. The
+    previous handlers are restored when it returns.
 
     Args:
         cfg: a :class:`ringtrain.training.config.TrainConfig` (validated here).
@@ -99,9 +110,9 @@ def train(cfg, comm=None, *, model=None, stream=None):
             check_same_settings(comm, cfg)
         with _starting(dog, "topology allgather"):
             spec = TaskSpec.from_mpi(comm)
-        with spec.limited_threads() as threads:
+        with spec.limited_threads() as threads, StopSignals(comm) as signals:
             run = _start(cfg, comm, spec, model, stream, threads, dog)
-            return run.loop()
+            return run.loop(signals)
     finally:
         dog.close()
 
@@ -128,6 +139,7 @@ def _start(cfg, comm, spec, model, stream, threads, dog):
     data = load_sharded(cfg.dataset, WatchedComm(comm, dog, "start-up: data loading"), seed=cfg.seed,
                         test_fraction=cfg.test_fraction, samples=cfg.samples, features=cfg.features,
                         classes=cfg.classes)
+    data = standardize(data, WatchedComm(comm, dog, "start-up: feature statistics"), cfg.standardize)
     plan = EpochPlan.for_shard(data, comm, batch_size=cfg.batch_size, seed=cfg.seed, drop_last=cfg.drop_last)
     model = model if model is not None else _build_model(cfg, data, xp)
     with _starting(dog, "model check"):
@@ -204,15 +216,24 @@ class _Run:
         self.metrics = np.zeros(len(Slot), np.float64)
         self.meter = Meter()
         self.last_train, self.last_eval = {}, {}
+        self.signals, self.saved = None, None
         self.start = time.perf_counter()
 
     # -- the loop -------------------------------------------------------------
-    def loop(self):
-        """Train to the end (collective); returns the :class:`TrainResult`."""
+    def loop(self, signals=None):
+        """Train to the end (collective); returns the :class:`TrainResult`.
+
+        Args:
+            signals: a :class:`~ringtrain.training.stopping.StopSignals` whose
+                caught signal stops every rank after the same step.
+        """
         cfg, steps = self.cfg, self.plan.steps_per_epoch
         step, epoch, index, streak = dataclasses.astuple(self.position)
+        self.signals = signals
         self._announce()
-        bar = self._progress_bar(step)
+        self._record_start(step, epoch)
+        progress = self._progress(step)
+        self.log.pause = progress.paused  # the bar is cleared while rank 0 prints a line
         stopped = None
         while epoch < cfg.epochs and stopped is None:
             while index < steps and stopped is None:
@@ -220,19 +241,20 @@ class _Run:
                 streak = 0 if finite else self._nonfinite(step, streak + 1)
                 step, index = step + 1, index + 1
                 self.meter.add(self.metrics)
-                if bar is not None:
-                    bar.update(1)
+                progress.update(step, epoch, index, self.metrics[Slot.LOSS_SUM], self.metrics[Slot.SAMPLES])
                 if step % cfg.log_every == 0:
                     self._train_event(step, epoch)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and index < steps:
                     self._checkpoint(step, epoch, index, streak)
-                stopped = STOP_REASONS.get(int(self.metrics[Slot.STOP]))
+                stopped = stop_reason(self.metrics)
             if index >= steps:
                 epoch, index = epoch + 1, 0
                 self._end_epoch(step, epoch, index, streak, stopped)
-        if bar is not None:
-            bar.close()
-        return self._finish(step, epoch, index, streak, stopped or "done")
+        progress.close()
+        self.log.pause = contextlib.nullcontext
+        result = self._finish(step, epoch, index, streak, stopped or "done")
+        result.checkpoint = self.saved
+        return result
 
     def step(self, step, epoch, index):
         """One training step (collective); leaves the step's summed metrics in ``self.metrics``."""
@@ -240,7 +262,7 @@ class _Run:
         with self.phases.local("data", step):
             xb, yb = self.xp.asarray(self.data.x[rows]), self.xp.asarray(self.data.y[rows])
         lr = learning_rate(step, self.base_lr, warmup_steps=self.cfg.warmup_steps)
-        return self.strategy.step(step, xb, yb, lr, lambda: self._stop_verdict(step + 1), self.metrics)
+        return self.strategy.step(step, xb, yb, lr, lambda: self._verdicts(step + 1), self.metrics)
 
     # -- what the loop calls --------------------------------------------------
     def _announce(self):
@@ -250,6 +272,20 @@ class _Run:
                   f"run directory {log.run_dir}")
         if size > 1:
             log.print(f"ringtrain: {self.strategy.description}" + (f" ({self.why})" if self.why else ""))
+
+    def _record_start(self, step, epoch):
+        # For `ringtrain plot`: the ranks in its title, and where the run resumed.
+        self.log.event("resumed" if step else "start", step=step, epoch=epoch, ranks=self.comm.Get_size())
+
+    def _verdicts(self, step):
+        # This rank's entries for the stop slots of the metrics sum: rank 0's
+        # clock, and a signal caught by this rank (any rank's stops everyone).
+        clock = self._stop_verdict(step)
+        if self.signals is None:
+            verdicts = np.zeros(len(VERDICTS))
+            verdicts[0] = clock
+            return verdicts
+        return self.signals.verdicts(clock)
 
     def _stop_verdict(self, step):
         # Only rank 0's clock counts: ranks must stop at the same step, and the
@@ -301,6 +337,7 @@ class _Run:
 
     def _checkpoint(self, step, epoch, index, streak, final=False):
         """Gather, check and (on rank 0) save; returns the path, or None (collective)."""
+        self.saved = None
         with self.phases.watched("optimizer state allgather", step):
             self.strategy.gather_state()
         with self.phases.watched("parameter digest allgather", step):
@@ -309,6 +346,7 @@ class _Run:
             return None
         arrays = {f"params/{k}": backend.to_numpy(v) for k, v in self.model.params.items()}
         arrays.update({f"optim/{k}": v for k, v in self.opt.state_dict().items()})
+        arrays.update(scaling_arrays(self.data))  # --standardize's statistics, for use outside training
         meta = {"step": step, "epoch": epoch, "step_in_epoch": index, "nonfinite_streak": streak,
                 "world_size": self.comm.Get_size(), "digest": digest, "final": final,
                 "config": to_json(self.cfg), "train": _finite(self.last_train), "eval": _finite(self.last_eval),
@@ -345,17 +383,15 @@ class _Run:
         return TrainResult(params, step, epoch, self.last_train, self.last_eval, self.log.run_dir, stopped,
                            path, newest)
 
-    def _progress_bar(self, step):
-        if not (self.spec.is_master and self.cfg.progress and sys.stderr.isatty()):
-            return None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return None
-        total = self.cfg.epochs * self.plan.steps_per_epoch
-        if self.cfg.max_steps is not None:
-            total = min(total, self.cfg.max_steps)
-        return tqdm(total=total, initial=min(step, total), unit="step", leave=False)
+    def _progress(self, step):
+        cfg, total = self.cfg, self.cfg.epochs * self.plan.steps_per_epoch
+        if cfg.max_steps is not None:
+            total = min(total, cfg.max_steps)
+        isatty = sys.stderr.isatty()
+        mode = choose_mode(self.spec.is_master, cfg.progress, isatty,
+                           isatty and importlib.util.find_spec("tqdm") is not None)
+        return Progress(mode, total=total, initial=step, epochs=cfg.epochs, steps_per_epoch=self.plan.steps_per_epoch,
+                        every=cfg.progress_every, deadline=None if cfg.max_time is None else self.start + cfg.max_time)
 
     def _write_timeline(self, step):
         if not self.timeline.enabled:

@@ -18,6 +18,7 @@ all, so a reader never sees half a record; a run directory deleted while
 the job runs is noticed, said, and recreated for what follows.
 """
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -105,6 +106,9 @@ class RunLog:
         self._lost = 0  # metrics records not written since the last one that was
         self._gone = False  # the run directory was deleted and could not be recreated
         self._warned = set()
+        # A context in which a line is printed: the trainer's progress bar
+        # sets one that clears the bar first, so lines are never torn.
+        self.pause = contextlib.nullcontext
 
     @property
     def checkpoint_dir(self):
@@ -303,11 +307,13 @@ class RunLog:
     # -- printing --------------------------------------------------------------
     def print(self, line):
         if self.is_master:
-            print(line, file=self.stream, flush=True)
+            with self.pause():
+                print(line, file=self.stream, flush=True)
 
     def warn(self, line):
         if self.is_master:
-            print(f"ringtrain: warning: {one_line(line, 500)}", file=sys.stderr, flush=True)
+            with self.pause():
+                print(f"ringtrain: warning: {one_line(line, 500)}", file=sys.stderr, flush=True)
 
     def _warn_once(self, key, line):
         if key not in self._warned:

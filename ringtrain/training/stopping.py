@@ -1,0 +1,96 @@
+"""Stopping on a signal: every rank finishes its step, all stop at the same one, rank 0 checkpoints.
+
+Ctrl-C (SIGINT), a scheduler's SIGTERM at the time limit, or the SIGUSR1
+that Slurm's ``--signal`` sends shortly before it, would otherwise kill
+each rank wherever it is: the work since the last checkpoint lost, MPI's
+shared memory left behind. While :func:`ringtrain.train` runs,
+:class:`StopSignals` only notes the signal; the rank's verdict rides in the
+next step's metrics sum (:data:`ringtrain.training.strategy.VERDICTS`), so a
+signal that reached one rank alone (a ``kill`` of one PID) stops every rank
+after the same step. The trainer then writes its final checkpoint and
+returns, and ``ringtrain train`` exits with :data:`EXIT_STATUS`.
+
+A second stop signal aborts at once, without a checkpoint. (Under MPICH's
+``mpiexec`` a second Ctrl-C is mpiexec's own "force abort".)
+
+The handlers are installed for the duration of :func:`ringtrain.train` only
+and the previous ones restored, so a program that calls it keeps its own.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+from .strategy import VERDICTS, Slot
+
+__all__ = ["StopSignals", "EXIT_STATUS", "SIGNAL_NAMES", "stopped_line"]
+
+# The shell's convention, 128 + the signal's number: 130 for SIGINT, 143 for
+# SIGTERM, and 138 for SIGUSR1 (on Linux), which a job script can tell apart
+# from a time-limit SIGTERM, e.g. to requeue itself.
+EXIT_STATUS = {"sigint": 128 + signal.SIGINT, "sigterm": 128 + signal.SIGTERM, "sigusr1": 128 + signal.SIGUSR1}
+SIGNAL_NAMES = {"sigint": "SIGINT", "sigterm": "SIGTERM", "sigusr1": "SIGUSR1"}
+
+_SLOTS = {signal.SIGINT: Slot.SIGINT, signal.SIGTERM: Slot.SIGTERM, signal.SIGUSR1: Slot.SIGUSR1}
+
+
+class StopSignals:
+    """Note SIGINT, SIGTERM and SIGUSR1 while the trainer runs, instead of dying of them.
+
+    A context manager: entering installs the handlers (in the main thread
+    only, the one place Python can), leaving restores the previous ones.
+
+    Args:
+        comm: aborted on a second signal.
+        stream: where the second signal's line goes (default stderr).
+    """
+
+    def __init__(self, comm, stream=None):
+        self.comm, self.stream = comm, stream
+        self.caught = None  # the first stop signal's number
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in _SLOTS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        return False
+
+    def _handle(self, signum, frame):
+        if self.caught is None:
+            self.caught = signum
+            return
+        # The user means it: no step to finish, no checkpoint.
+        stream = self.stream or sys.stderr
+        stream.write(f"ringtrain: {signal.Signals(signum).name} again; aborting without a checkpoint\n")
+        stream.flush()
+        code = 128 + signum
+        if self.comm.Get_size() > 1:
+            self.comm.Abort(code)  # peers may be waiting in a collective: MPI must end them
+        os._exit(code)
+
+    def verdicts(self, clock_verdict=0.0):
+        """This rank's entries for the verdict slots: rank 0's clock verdict, then the signal caught."""
+        out = np.zeros(len(VERDICTS))
+        out[0] = clock_verdict
+        if self.caught is not None:
+            out[VERDICTS.index(_SLOTS[self.caught])] = 1.0
+        return out
+
+
+def stopped_line(reason, step, checkpoint):
+    """The line ``ringtrain train`` prints when a signal stopped it (pure)."""
+    name = SIGNAL_NAMES[reason]
+    if checkpoint is None:
+        return (f"ringtrain: stopped at step {step} ({name}); its checkpoint could not be written (see the warning "
+                "above); run the same command to resume from the last one written")
+    return f"ringtrain: stopped at step {step} ({name}); checkpoint {checkpoint}; run the same command to resume"

@@ -1,0 +1,54 @@
+"""The progress display's decisions, without MPI: when to print, what the line says, the ETA."""
+
+import io
+
+import pytest
+
+from ringtrain.training.progress import (LineSchedule, Progress, choose_mode, eta_seconds, format_duration,
+                                         progress_line)
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (45.9, "45s"), (72, "1m12s"), (3600, "1h00m"),
+                                           (7500, "2h05m"), (3 * 86400 + 4 * 3600 + 59, "3d04h"), (-3, "0s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize("master, enabled, tty, tqdm, mode", [
+    (True, True, True, True, "bar"), (True, True, False, True, "lines"), (True, True, True, False, "lines"),
+    (False, True, True, True, None), (True, False, False, True, None)])
+def test_a_bar_only_on_a_terminal_and_only_on_rank_0(master, enabled, tty, tqdm, mode):
+    assert choose_mode(master, enabled, tty, tqdm) == mode
+
+
+def test_eta_from_the_rate_so_far_capped_by_max_time():
+    assert eta_seconds(0, 0.0, 100) is None
+    assert eta_seconds(50, 10.0, 100) == 20.0
+    assert eta_seconds(50, 10.0, 100, time_left=5.0) == 5.0
+
+
+def test_line_says_epoch_step_loss_rate_and_eta():
+    assert progress_line(3, 30, 120, 500, 0.43214, 12345.6, 72) == \
+        "epoch 3/30  step 120/500  loss 0.4321  12,346 samples/s  eta 1m12s"
+    assert progress_line(1, 2, 0, 5, None, None, None) == "epoch 1/2  step 0/5"
+
+
+def test_first_line_after_ten_seconds_then_every_interval_and_no_burst_after_a_pause():
+    schedule = LineSchedule(30.0, start=100.0)
+    assert not schedule.due(109.9) and schedule.due(110.0)
+    assert not schedule.due(139.9) and schedule.due(140.0)
+    assert schedule.due(400.0)  # a long evaluation: one line, then the interval again
+    assert not schedule.due(401.0)
+    assert LineSchedule(2.0, start=0.0).next == 2.0  # a short interval starts sooner than 10 s
+
+
+def test_progress_prints_lines_on_its_clock():
+    now, out = [0.0], io.StringIO()
+    progress = Progress("lines", total=100, initial=0, epochs=2, steps_per_epoch=50, every=5.0, stream=out,
+                        clock=lambda: now[0])
+    for step in range(1, 21):
+        now[0] = step * 0.6  # 0.6 s a step: lines due at 5 s, 10 s
+        progress.update(step, 0, step, loss_sum=2.0 * 8, samples=8)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("epoch 1/2  step 9/50  loss 2.0000") and lines[0].endswith("13 samples/s  eta 54s")  # 91 steps left at 0.6 s
+    assert len(lines) == 2
