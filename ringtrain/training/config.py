@@ -129,6 +129,7 @@ RESUME_RULES = {
     "hidden": ("match", "the parameters' shapes"),
     "channels": ("match", "the cnn's parameters' shapes"),
     "kernel": ("match", "the cnn's parameters' shapes"),
+    "standardize": ("match", "the features the model has learned from"),
     "seed": ("match", "the held-out rows, the synthetic data and every epoch's shuffle"),
     "batch_size": ("match", "the data order and the position within an epoch"),
     "samples": ("match", "the synthetic data (and so the steps per epoch)"),
@@ -164,6 +165,7 @@ RESUME_RULES = {
     "timeline": ("future", "a trace of this job"),
     "run_dir": ("where", "where this run lives"),
     "resume": ("where", "how this run was started"),
+    "progress_every": ("future", "how often rank 0 prints progress"),
     "progress": ("where", "the terminal display"),
 }
 
@@ -454,8 +456,10 @@ def timeline_problem(path):
     """Why the timeline could not be written to ``path`` at the end of the run, or None.
 
     Checked at the start so that a typo costs nothing, not a whole run's
-    timeline: the directory must exist and be writable, and the path, if it
-    exists, must be a regular file (a FIFO would block the write at the end).
+    timeline: the path, if it exists, must be a regular file (a FIFO would
+    block the write at the end), and its directory must be writable, or be
+    creatable in the nearest directory that exists (a timeline inside a run
+    directory the run is about to make is fine: the write makes the parents).
     """
     try:
         kind = file_kind(os.stat(path).st_mode)
@@ -466,10 +470,13 @@ def timeline_problem(path):
     if kind is not None:
         return f"{path} is {kind}; give a file name"
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        return f"{path}: directory {directory} does not exist"
-    if not os.access(directory, os.W_OK | os.X_OK):
-        return f"{path}: cannot write in {directory} (permission denied)"
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{path}: {existing} is {file_kind(os.stat(existing).st_mode)}, so {directory} cannot be made"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{path}: cannot write in {existing} (permission denied)"
     return None
 
 

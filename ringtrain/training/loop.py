@@ -252,9 +252,7 @@ class _Run:
                 self._end_epoch(step, epoch, index, streak, stopped)
         progress.close()
         self.log.pause = contextlib.nullcontext
-        result = self._finish(step, epoch, index, streak, stopped or "done")
-        result.checkpoint = self.saved
-        return result
+        return self._finish(step, epoch, index, streak, stopped or "done")
 
     def step(self, step, epoch, index):
         """One training step (collective); leaves the step's summed metrics in ``self.metrics``."""
@@ -337,7 +335,6 @@ class _Run:
 
     def _checkpoint(self, step, epoch, index, streak, final=False):
         """Gather, check and (on rank 0) save; returns the path, or None (collective)."""
-        self.saved = None
         with self.phases.watched("optimizer state allgather", step):
             self.strategy.gather_state()
         with self.phases.watched("parameter digest allgather", step):

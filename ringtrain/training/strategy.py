@@ -28,6 +28,7 @@ every rank calls them in the same order.
 import contextlib
 import enum
 
+import numpy as np
 
 from ..comm.buckets import allreduce_many_, plan_buckets
 from ..comm.reducer import Reducer

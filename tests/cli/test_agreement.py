@@ -109,8 +109,9 @@ def test_a_run_dir_that_is_a_file_on_rank_1_only_does_not_matter(tmp_path):
 
 def test_a_bad_timeline_path_is_refused_before_training(tmp_path):
     (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
     os.mkfifo(tmp_path / "fifo.json")
-    cases = [(tmp_path / "no" / "such" / "t.json", "does not exist"),
+    cases = [(tmp_path / "afile" / "sub" / "t.json", "is not a directory"),
              (tmp_path / "adir", "is a directory"),
              (tmp_path / "fifo.json", "is a FIFO")]
     for path, needle in cases:

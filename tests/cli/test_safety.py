@@ -250,10 +250,13 @@ def test_full_disk_for_metrics_is_one_warning_and_training_goes_on(tmp_path):
         fill(disk, 12 * 1024)
         result = mpirun(2, ringtrain("train", *SMALL, "--epochs", "30", "--log-every", "1", "--run-dir",
                                      str(run_dir)), timeout=90)
-        assert result.returncode == 0 and "done: step" in result.stdout, show(result)
+        # Training goes on to the end; the disk that refused the metrics refuses the
+        # final checkpoint too, and the run says so honestly (exit 3, see test_resume_rules).
+        assert result.returncode == 3 and "done: step 600" in result.stdout, show(result)
+        assert "ringtrain: error: the final checkpoint (step 600) was not written" in result.stderr, show(result)
         metric_warnings = [w for w in warnings(result) if "metrics.jsonl: cannot write" in w]
         assert len(metric_warnings) == 1 and "no space left on device" in metric_warnings[0], show(result)
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        assert lines and all(json.loads(line)["event"] for line in lines)  # every line whole
+        assert all(json.loads(line)["event"] for line in lines)  # every line that made it is whole
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)

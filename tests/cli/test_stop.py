@@ -159,8 +159,9 @@ def test_train_stops_on_a_signal_and_restores_the_handlers_it_found(tmp_path):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
-    # Caught in the third step, after that step's verdict was taken: the next step carries it.
-    assert (result.stopped, result.step) == ("sigterm", 4)
+    # Caught during the third step's backward: the verdicts are taken after the
+    # step's work, so that same step carries it and the run stops after it.
+    assert (result.stopped, result.step) == ("sigterm", 3)
     assert result.checkpoint == str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.npz")
 
 

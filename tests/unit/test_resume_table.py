@@ -44,7 +44,9 @@ def test_verdict_names_the_rank_only_when_the_ranks_differ():
 def test_timeline_problem(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     assert timeline_problem(str(tmp_path / "t.json")) is None
-    assert "does not exist" in timeline_problem(str(tmp_path / "no" / "t.json"))
+    assert timeline_problem(str(tmp_path / "run" / "t.json")) is None  # the write makes the run directory
+    (tmp_path / "afile").write_text("")
+    assert "is not a directory" in timeline_problem(str(tmp_path / "afile" / "sub" / "t.json"))
     assert "is a directory" in timeline_problem(str(tmp_path))
     assert "is a FIFO" in timeline_problem(str(tmp_path / "fifo"))
 
