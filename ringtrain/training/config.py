@@ -87,7 +87,7 @@ class TrainConfig:
     shard_optimizer: bool = _f(True, "split the optimizer step across ranks (ZeRO stage 1): reduce-scatter the "
                                      "gradients, update this rank's shard, allgather the parameters")
     allreduce: str = _f("auto", "gradient allreduce: auto, ring, mpi, hierarchical (within hosts, then across), "
-                        "or shm (shared memory, every rank on one host)",
+                        "or shm (the peer window: shared memory, or CUDA IPC on GPUs; every rank on one host)",
                         choices=ALGORITHMS)
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
     progress: bool = _f(True, "show progress on rank 0: a bar when stderr is a terminal, else a line every "
