@@ -1,8 +1,12 @@
-"""Averaging a PyTorch module's CPU gradients with ringtrain, without copying them.
+"""PyTorch tensors and ringtrain arrays, without copies: views both ways, and gradient averaging.
 
 ``torch.Tensor.numpy()`` on a CPU tensor is a view of the same memory, so
 ringtrain's collectives can reduce the gradients where PyTorch keeps them.
-torch is optional: it is imported only by the functions that need it.
+:func:`as_array` and :func:`as_tensor` are the two directions of that view
+(NumPy for CPU tensors; CuPy through DLPack for CUDA tensors), which
+:class:`ringtrain.torch_model.TorchModel` builds on to train any module
+through the trainer. torch is optional: it is imported only by the
+functions that need it.
 
 Collective: every rank must call :func:`average_gradients_` after the same
 backward, for modules of the same architecture, in the same order as every
@@ -20,10 +24,41 @@ Example (five calls, as in Horovod's examples)::
         opt.step()
 """
 
+import numpy as np
+
+from . import backend
 from .comm import allreduce_, allreduce_many_, broadcast_
 from .flat import contiguous_span
 
-__all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays"]
+__all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays", "as_array",
+           "as_tensor"]
+
+
+def as_array(tensor):
+    """A zero-copy view of a tensor's memory: NumPy for a CPU tensor, CuPy (DLPack) for a CUDA one.
+
+    Writing the array writes the tensor. Autograd does not see such writes;
+    use it on ``detach()``-ed tensors, parameters' ``.data`` and gradients.
+
+    Raises:
+        ValueError: for a tensor on any other device, or a CUDA tensor where CuPy sees no GPU.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    if tensor.device.type == "cuda":
+        # DLPack shares the allocation; CuPy is reached through backend, the one module that imports it.
+        return backend.xp_for("gpu").from_dlpack(tensor)
+    raise ValueError(f"a tensor on {tensor.device}: ringtrain works with CPU and CUDA tensors")
+
+
+def as_tensor(array):
+    """A zero-copy torch view of a NumPy array (CPU) or a CuPy array (CUDA, through DLPack)."""
+    import torch
+
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
 
 
 def _numpy(tensor, what):
