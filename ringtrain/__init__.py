@@ -53,10 +53,13 @@ __all__ = [
 
 
 def __getattr__(name):
-    # ringtrain.interop (PyTorch gradients) on first use: it imports torch only
-    # inside its functions, but loading it lazily keeps `import ringtrain` lean.
-    if name == "interop":
-        import importlib
+    # The PyTorch side on first use (ringtrain.interop, ringtrain.TorchModel):
+    # torch is optional and imported only inside their functions, but loading
+    # the modules lazily keeps `import ringtrain` lean.
+    import importlib
 
+    if name == "interop":
         return importlib.import_module(".interop", __name__)
+    if name == "TorchModel":
+        return importlib.import_module(".torch_model", __name__).TorchModel
     raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

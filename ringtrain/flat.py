@@ -58,7 +58,7 @@ class FlatLayout:
 
 
 def contiguous_span(arrays, within=None):
-    """A 1-D view over NumPy ``arrays`` when they tile one allocation back to back, else None.
+    """A 1-D view over ``arrays`` when they tile one allocation back to back, else None.
 
     The arrays must be C-contiguous, of one dtype, each starting where the
     previous one ends, all inside one writeable base array: ``within`` if
@@ -67,7 +67,8 @@ def contiguous_span(arrays, within=None):
     separate allocations can sit side by side, so the whole span must lie
     inside that one base.
     """
-    if not arrays or any(type(a) is not np.ndarray for a in arrays):
+    kind = np.ndarray if within is None else type(within)  # CuPy arrays, over a torch CUDA storage
+    if not arrays or any(type(a) is not kind for a in arrays):
         return None
     first = arrays[0]
     base = within
@@ -75,7 +76,7 @@ def contiguous_span(arrays, within=None):
         base = first
         while isinstance(base.base, np.ndarray):
             base = base.base
-    if not (base.flags.c_contiguous and base.flags.writeable):
+    if not (base.flags.c_contiguous and getattr(base.flags, "writeable", True)):
         return None
     start = end = address(first)
     for a in arrays:

@@ -1,8 +1,16 @@
-"""Averaging a PyTorch module's CPU gradients with ringtrain, without copying them.
+"""PyTorch tensors and ringtrain arrays, without copies: views both ways, and gradient averaging.
 
 ``torch.Tensor.numpy()`` on a CPU tensor is a view of the same memory, so
 ringtrain's collectives can reduce the gradients where PyTorch keeps them.
-torch is optional: it is imported only by the functions that need it.
+:func:`as_array` and :func:`as_tensor` are the two directions of that view
+(NumPy for CPU tensors; CuPy through DLPack for CUDA tensors), which
+:class:`ringtrain.torch_model.TorchModel` builds on to train any module
+through the trainer. torch is optional: it is imported only by the
+functions that need it.
+
+CUDA tensors are reduced through the GPU path (CUDA IPC on one host, a
+CUDA-aware MPI or host staging across hosts) after torch's stream is
+synchronised.
 
 Collective: every rank must call :func:`average_gradients_` after the same
 backward, for modules of the same architecture, in the same order as every
@@ -20,21 +28,55 @@ Example (five calls, as in Horovod's examples)::
         opt.step()
 """
 
+import numpy as np
+
+from . import backend
 from .comm import allreduce_, allreduce_many_, broadcast_
 from .flat import contiguous_span
 
-__all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays"]
+__all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays", "as_array",
+           "as_tensor"]
 
 
-def _numpy(tensor, what):
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{what} is on {tensor.device}; ringtrain.interop averages CPU tensors only")
-    return tensor.detach().numpy()
+def as_array(tensor):
+    """A zero-copy view of a tensor's memory: NumPy for a CPU tensor, CuPy (DLPack) for a CUDA one.
+
+    Writing the array writes the tensor. Autograd does not see such writes;
+    use it on ``detach()``-ed tensors, parameters' ``.data`` and gradients.
+
+    Raises:
+        ValueError: for a tensor on any other device, or a CUDA tensor where CuPy sees no GPU.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    if tensor.device.type == "cuda":
+        # DLPack shares the allocation; CuPy is reached through backend, the one module that imports it.
+        return backend.xp_for("gpu").from_dlpack(tensor)
+    raise ValueError(f"a tensor on {tensor.device}: ringtrain works with CPU and CUDA tensors")
+
+
+def as_tensor(array):
+    """A zero-copy torch view of a NumPy array (CPU) or a CuPy array (CUDA, through DLPack)."""
+    import torch
+
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
+
+
+def _synchronized(tensors):
+    """``tensors``, with torch's queued CUDA work on them finished (ringtrain's collectives read them next)."""
+    if any(t.device.type == "cuda" for t in tensors):
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+    return tensors
 
 
 def gradient_arrays(module):
-    """Zero-copy NumPy views of the module's gradients, in ``parameters()`` order (None skipped)."""
-    return [_numpy(p.grad, "a gradient") for p in module.parameters() if p.grad is not None]
+    """Zero-copy views of the module's gradients (NumPy, or CuPy for CUDA), in ``parameters()`` order."""
+    return [as_array(p.grad) for p in module.parameters() if p.grad is not None]
 
 
 def bucket_view_(module):
@@ -52,9 +94,10 @@ def bucket_view_(module):
     if not params:
         raise ValueError("the module has no parameters that require gradients")
     dtype = params[0].dtype
-    if any(p.dtype != dtype for p in params) or any(p.device.type != "cpu" for p in params):
-        raise ValueError("bucket_view_ needs CPU parameters of one dtype")
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+    device = params[0].device
+    if any(p.dtype != dtype or p.device != device for p in params):
+        raise ValueError("bucket_view_ needs parameters of one dtype on one device")
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
     offset = 0
     for p in params:
         p.grad = flat[offset:offset + p.numel()].view_as(p)
@@ -63,15 +106,16 @@ def bucket_view_(module):
 
 
 def _one_buffer(tensors):
-    """A flat NumPy view of the memory the tensors tile back to back, in order, or None."""
+    """A flat view (NumPy, or CuPy for CUDA) of the memory the tensors tile back to back, in order, or None."""
     import torch
 
-    storage = tensors[0].untyped_storage()
-    if any(t.device.type != "cpu" or t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+    first = tensors[0]
+    storage = first.untyped_storage()
+    if any(t.device != first.device or t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
         return None
-    # The whole storage as one NumPy array: the span must lie inside it.
-    whole = torch.empty(0, dtype=tensors[0].dtype).set_(storage).numpy()
-    return contiguous_span([t.detach().numpy() for t in tensors], within=whole)
+    # The whole storage as one array: the span must lie inside it.
+    whole = as_array(torch.empty(0, dtype=first.dtype, device=first.device).set_(storage))
+    return contiguous_span([as_array(t) for t in tensors], within=whole)
 
 
 def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
@@ -85,17 +129,17 @@ def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
     Returns:
         ``module``.
     """
-    tensors = [p.grad for p in module.parameters() if p.grad is not None]
+    tensors = _synchronized([p.grad for p in module.parameters() if p.grad is not None])
     flat = _one_buffer(tensors) if tensors else None
     if flat is not None:
         allreduce_(flat, op=op, comm=comm)
     else:
-        allreduce_many_([_numpy(t, "a gradient") for t in tensors], op=op, comm=comm, bucket_bytes=bucket_bytes)
+        allreduce_many_([as_array(t) for t in tensors], op=op, comm=comm, bucket_bytes=bucket_bytes)
     return module
 
 
 def broadcast_parameters_(module, root=0, comm=None):
     """Overwrite every parameter and buffer with ``root``'s, in place; collective."""
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        broadcast_(_numpy(tensor, "a parameter"), root=root, comm=comm)
+    for tensor in _synchronized(list(module.parameters()) + list(module.buffers())):
+        broadcast_(as_array(tensor), root=root, comm=comm)
     return module

@@ -1,12 +1,20 @@
-"""Head-to-head on the CPU: the same MLP trained with DDP (gloo), Horovod and ringtrain.
+"""Head-to-head on the CPU: the same torch network trained with DDP (gloo), Horovod and ringtrain.
 
-    python scripts/bench_torch.py                  # every contestant at 1 and 2 ranks, 3 repeats
-    python scripts/bench_torch.py --repeats 5 --ranks 1,2
+    python scripts/bench_torch.py --model cnn      # the CNN, every contestant at 1 and 2 ranks, 3 repeats
+    python scripts/bench_torch.py                  # the MLP
+    python scripts/bench_torch.py --repeats 5 --ranks 1,2 --only ddp-gloo,ringtrain-adapter
 
-The model is PyTorch's 784-512-512-10 MLP (ReLU, cross-entropy, SGD with
-momentum) on ``mnist5k`` from :func:`ringtrain.datasets.load_sharded`, batch 64
-per rank, one thread per rank (``torch.set_num_threads(1)``,
-``OMP_NUM_THREADS=1``). Contestants:
+The models (``--model``), trained on ``mnist5k`` from
+:func:`ringtrain.datasets.load_sharded` (the same shards for everyone), batch
+64 per rank, SGD with momentum, one thread per rank
+(``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``):
+
+* ``mlp``: PyTorch's 784-512-512-10 MLP (ReLU, cross-entropy);
+* ``cnn``: scripts/train_torch.py's CNN (= scripts/bench_cnn.py's): two 5x5
+  conv -> ReLU -> 2x2 max-pool blocks of 16 and 32 channels, a 128-unit
+  dense layer, 10 classes (215k parameters).
+
+Contestants:
 
 * ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` over gloo
   (``gradient_as_bucket_view=True``), its process group started from the
@@ -14,20 +22,28 @@ per rank, one thread per rank (``torch.set_num_threads(1)``,
 * ``horovod``: ``hvd.DistributedOptimizer`` (opt-in: measured only if
   ``import horovod.torch`` works; otherwise the table says "horovod not
   installed").
-* ``ringtrain-torch``: the same torch model, its gradients averaged by
-  :func:`ringtrain.interop.average_gradients_` through zero-copy NumPy views
-  of the CPU tensors (one flat buffer, :func:`ringtrain.interop.bucket_view_`).
-* ``ringtrain-numpy``: ringtrain's own NumPy MLP with the same sizes, stepped
-  as ``ringtrain train`` steps it: the sharded optimizer step
-  (:class:`ringtrain.training.sharded.ShardedStep`) at 2+ ranks.
+* ``ringtrain-torch``: the same torch model and torch optimizer, its
+  gradients averaged by :func:`ringtrain.interop.average_gradients_` through
+  zero-copy NumPy views of the CPU tensors (one flat buffer,
+  :func:`ringtrain.interop.bucket_view_`).
+* ``ringtrain-adapter``: the same torch model through
+  :class:`ringtrain.torch_model.TorchModel`, stepped by the trainer's own
+  strategy object (:func:`ringtrain.training.strategy.choose_strategy`, as
+  ``ringtrain.train`` chooses it: the sharded optimizer step over the
+  shared-memory window at 2+ ranks), with ringtrain's optimizer.
+* ``ringtrain-numpy``: ringtrain's own NumPy model of the same shape
+  (``--model mlp`` or ``--model cnn``), stepped the same way.
 
 Each contestant runs under ``mpirun -np N`` (interleaved over repeats so that
 background load hits all alike). In each process, blocks of 20 steps
 alternate between the real data-parallel step and the same step without any
 communication; ``comm share = 1 - compute-only step time / step time`` is the
-part of a step spent communicating or waiting for the other rank.
-samples/s = ranks x 64 / median step time; scaling efficiency = samples/s at
-N ranks / (N x samples/s at 1 rank). Figures are medians over repeats.
+part of a step spent communicating or waiting for the other rank (for the
+sharded ringtrain contestants the compute-only step updates only its own
+shard, as the real one does). samples/s = ranks x 64 / median step time;
+scaling efficiency = samples/s at N ranks / (N x samples/s at 1 rank).
+Figures are medians over repeats; the ratios printed under the table divide
+figures of this one run.
 
 Horovod (optional, about 5 minutes to build on 2 cores; never in CI).
 Horovod 0.28.1 does not build against torch 2.13 as released: its C++ must be
@@ -37,7 +53,10 @@ compiled as C++17. Recipe::
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \\
         horovod-0.28.1/CMakeLists.txt horovod-0.28.1/horovod/torch/CMakeLists.txt
     HOROVOD_WITH_MPI=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 \\
-        HOROVOD_WITHOUT_MXNET=1 pip install --no-build-isolation ./horovod-0.28.1
+        HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install --no-build-isolation ./horovod-0.28.1
+
+(with the virtual environment's ``bin`` on ``PATH``, so that the build finds
+the ``mpich`` wheel's ``mpicc``; without gloo it builds in about half the time).
 
 Run it under plain ``mpirun`` (this script does); keep torch at 2.13.0+cpu.
 """
@@ -51,18 +70,26 @@ import subprocess
 import sys
 import time
 
-CONTESTANTS = ("ddp-gloo", "horovod", "ringtrain-torch", "ringtrain-numpy")
-SIZES = (784, 512, 512, 10)
+CONTESTANTS = ("ddp-gloo", "horovod", "ringtrain-torch", "ringtrain-adapter", "ringtrain-numpy")
+PEERS = ("ddp-gloo", "horovod")
+MODELS = ("mlp", "cnn")
+SIZES = (784, 512, 512, 10)  # the MLP
+CHANNELS, KERNEL, HIDDEN = (16, 32), 5, 128  # the CNN
 BATCH, LR, MOMENTUM = 64, 0.05, 0.9
 BLOCK = 20  # steps per timed block
 
 
 # -- one worker (inside mpirun) ------------------------------------------------
 
-def _torch_model():
+def _torch_model(kind):
     import torch
 
     torch.manual_seed(0)
+    if kind == "cnn":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from train_torch import cnn
+
+        return cnn(CHANNELS, KERNEL, HIDDEN)
     layers = []
     for i, (fan_in, fan_out) in enumerate(zip(SIZES, SIZES[1:])):
         layers.append(torch.nn.Linear(fan_in, fan_out))
@@ -71,43 +98,64 @@ def _torch_model():
     return torch.nn.Sequential(*layers)
 
 
-def _steps(contestant, comm, data, plan):
+def _ringtrain_steps(model, comm, data):
+    """``step(rows, communicate)`` for a ringtrain model, stepped by the trainer's own strategy object."""
+    import numpy as np
+
+    from ringtrain import TrainConfig, broadcast_, build_optimizer
+    from ringtrain.models import flat_layout
+    from ringtrain.training.strategy import Phases, ShardedUpdate, choose_strategy
+    from ringtrain.training.timeline import Timeline
+    from ringtrain.watchdog import Watchdog, left_neighbour
+
+    cfg = TrainConfig(dataset="mnist5k", batch_size=BATCH, lr=LR, momentum=MOMENTUM)  # the trainer's defaults
+    opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0,
+                          order=flat_layout(model).order)
+    broadcast_(model.param_buffer, comm=comm)  # the parameters are views into it
+    rank, size = comm.Get_rank(), comm.Get_size()
+    phases = Phases(Timeline(rank, enabled=False), Watchdog(comm, cfg.timeout), left_neighbour(rank, size))
+    strategy, _ = choose_strategy(cfg, model, opt, comm, phases)  # may move the buffers into shared memory
+    sharded = strategy.sharded if isinstance(strategy, ShardedUpdate) else None
+    metrics = np.zeros(5)
+    count = [0]
+
+    def step(rows, communicate):
+        xb, yb = data.x[rows], data.y[rows]  # as the trainer's data phase: a fancy-indexed copy
+        if communicate:
+            strategy.step(count[0], xb, yb, LR, 0.0, metrics)
+        else:  # the same arithmetic, no collective: the whole update, or this rank's shard of it
+            _, grads, _ = model.loss_and_grad(xb, yb)
+            opt.step(model.params, grads, LR) if sharded is None else sharded.update(LR)
+        count[0] += 1
+
+    return step
+
+
+def _steps(contestant, kind, comm, data):
     """Return ``step(rows, communicate)`` for one contestant."""
     if contestant == "ringtrain-numpy":
-        import numpy as np
+        from ringtrain import build_model
 
-        from ringtrain import ShardedStep, allreduce_, broadcast_, build_model, build_optimizer
-        from ringtrain.models import flat_layout
-
-        model = build_model("mlp", SIZES[0], SIZES[-1], hidden=SIZES[1:-1], seed=0)
-        opt = build_optimizer("sgd", model.params, lr=LR, momentum=MOMENTUM, weight_decay=0.0,
-                              order=flat_layout(model).order)
-        broadcast_(model.param_buffer, comm=comm)  # the parameters are views into it
-        # As the trainer: the sharded step on several ranks, the plain step on one.
-        sharded = ShardedStep.create(model, opt, comm) if comm.Get_size() > 1 else None
-        metrics = np.zeros(4)
-
-        def step(rows, communicate):
-            loss, grads, correct = model.loss_and_grad(data.x[rows], data.y[rows])
-            if not communicate:  # the same arithmetic, no collective: the whole update or this rank's shard
-                opt.step(model.params, grads, LR) if sharded is None else sharded.update(LR)
-            elif sharded is None:
-                allreduce_(model.grad_buffer, op="mean", comm=comm)  # the grads are views into it
-                opt.step(model.params, grads, LR)
-            else:  # as `ringtrain train` steps: reduce-scatter, metrics, update a shard, allgather
-                chunk = sharded.reduce_gradients()
-                metrics[:] = (loss, correct, len(rows), 0.0 if np.isfinite(chunk).all() else 1.0)
-                sharded.sum_small(metrics)
-                sharded.update(LR)
-                sharded.allgather()
-
-        return step
+        if kind == "cnn":
+            model = build_model("cnn", data.num_features, data.num_classes, hidden=(HIDDEN,), seed=0,
+                                input_shape=data.image_shape, channels=CHANNELS, kernel=KERNEL)
+        else:
+            model = build_model("mlp", SIZES[0], SIZES[-1], hidden=SIZES[1:-1], seed=0)
+        return _ringtrain_steps(model, comm, data)
 
     import torch
 
     torch.set_num_threads(1)
+    if contestant == "ringtrain-adapter":
+        from ringtrain.torch_model import TorchModel
+
+        shape = data.image_shape if kind == "cnn" else None
+        return _ringtrain_steps(TorchModel(_torch_model(kind), input_shape=shape), comm, data)
+
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    model = _torch_model()
+    if kind == "cnn":
+        x = x.reshape(len(x), *data.image_shape)
+    model = _torch_model(kind)
     loss_fn = torch.nn.CrossEntropyLoss()
     local = model
     if contestant == "ddp-gloo":
@@ -171,7 +219,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def worker(contestant, blocks):
+def worker(contestant, kind, blocks):
     from mpi4py import MPI
 
     from ringtrain.sharding import EpochPlan
@@ -180,7 +228,7 @@ def worker(contestant, blocks):
     comm = MPI.COMM_WORLD
     data = load_sharded("mnist5k", comm, seed=0)
     plan = EpochPlan.for_shard(data, comm, batch_size=BATCH, seed=0)
-    step = _steps(contestant, comm, data, plan)
+    step = _steps(contestant, kind, comm, data)
     batches = ((e, i) for e in range(10 ** 6) for i in range(plan.steps_per_epoch))
 
     def block(communicate):
@@ -205,19 +253,21 @@ def worker(contestant, blocks):
 # -- the driver ----------------------------------------------------------------
 
 def _available(contestant):
-    module = {"ddp-gloo": "torch.distributed", "horovod": "horovod.torch", "ringtrain-torch": "torch"}.get(contestant)
+    module = {"ddp-gloo": "torch.distributed", "horovod": "horovod.torch", "ringtrain-torch": "torch",
+              "ringtrain-adapter": "torch"}.get(contestant)
     if module is None:
         return True
     probe = f"import {module}"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-def launch(contestant, ranks, blocks):
+def launch(contestant, kind, ranks, blocks):
     from ringtrain.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
 
     env = mpi_env(detect_flavour(find_mpirun()))
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    command = [sys.executable, os.path.abspath(__file__), "--worker", contestant, "--blocks", str(blocks)]
+    command = [sys.executable, os.path.abspath(__file__), "--worker", contestant, "--model", kind,
+               "--blocks", str(blocks)]
     done = subprocess.run(mpirun_command(ranks, command), env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
@@ -226,24 +276,43 @@ def launch(contestant, ranks, blocks):
     return json.loads(line[len("RESULT "):])
 
 
+def _speed(results, contestant, n):
+    """samples/s over all ranks from the median step time of every launch."""
+    return n * BATCH / statistics.median(r["step"] for r in results[(contestant, n)])
+
+
 def table(results, ranks, missing):
-    lines = [f"{'contestant':<16} {'ranks':>5} {'samples/s':>10} {'step ms':>8} {'comm share':>10} "
+    lines = [f"{'contestant':<18} {'ranks':>5} {'samples/s':>10} {'step ms':>8} {'comm share':>10} "
              f"{'scaling':>8}"]
     for contestant in CONTESTANTS:
         if contestant in missing:
-            lines.append(f"{contestant:<16} {missing[contestant]}")
+            lines.append(f"{contestant:<18} {missing[contestant]}")
             continue
         base = None
         for n in ranks:
             runs = results[(contestant, n)]
             step = statistics.median(r["step"] for r in runs)
             compute = statistics.median(r["compute"] for r in runs)
-            speed = n * BATCH / step
+            speed = _speed(results, contestant, n)
             base = speed if n == 1 else base
             scaling = f"{speed / (n * base):.0%}" if base and n > 1 else "-"
             share = max(0.0, 1 - compute / step) if n > 1 else 0.0
-            lines.append(f"{contestant:<16} {n:>5} {speed:>10,.0f} {step * 1e3:>8.2f} {share:>10.0%} "
+            lines.append(f"{contestant:<18} {n:>5} {speed:>10,.0f} {step * 1e3:>8.2f} {share:>10.0%} "
                          f"{scaling:>8}")
+    return "\n".join(lines)
+
+
+def ratios(results, ranks, missing):
+    """Each ringtrain contestant's samples/s over each peer's, at the same rank count, from this run."""
+    peers = [p for p in PEERS if p not in missing]
+    lines = []
+    for contestant in CONTESTANTS:
+        if contestant in PEERS or contestant in missing or not peers:
+            continue
+        for n in ranks:
+            mine = _speed(results, contestant, n)
+            against = ", ".join(f"{mine / _speed(results, p, n):.2f}x {p}" for p in peers)
+            lines.append(f"{contestant} at {n} rank(s): {against}")
     return "\n".join(lines)
 
 
@@ -252,12 +321,13 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="launches per contestant and size (default 3)")
     parser.add_argument("--blocks", type=int, default=5, help=f"timed blocks of {BLOCK} steps per launch")
     parser.add_argument("--ranks", default="1,2", help="rank counts (default 1,2)")
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="the network (default mlp)")
     parser.add_argument("--only", default=",".join(CONTESTANTS), help="comma-separated contestants")
     parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     parser.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.blocks)
+        worker(args.worker, args.model, args.blocks)
         return 0
     ranks = [int(n) for n in args.ranks.split(",")]
     chosen = [c for c in CONTESTANTS if c in args.only.split(",")]
@@ -271,10 +341,15 @@ def main(argv=None):
     for _ in range(args.repeats):
         for n in ranks:
             for c in running:
-                results[(c, n)].append(launch(c, n, args.blocks))
-    print(f"MLP {'-'.join(map(str, SIZES))}, mnist5k, batch {BATCH} per rank, 1 thread per rank, "
+                results[(c, n)].append(launch(c, args.model, n, args.blocks))
+    network = (f"MLP {'-'.join(map(str, SIZES))}" if args.model == "mlp" else
+               f"CNN {CHANNELS} k={KERNEL} hidden={HIDDEN}")
+    print(f"{network}, mnist5k, batch {BATCH} per rank, 1 thread per rank, "
           f"medians of {args.repeats} launches x {args.blocks} blocks of {BLOCK} steps")
     print(table(results, ranks, missing))
+    if ratios(results, ranks, missing):
+        print("samples/s against the peers, same run:")
+        print(ratios(results, ranks, missing))
     print(f"load average: {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     if args.json:
         print(json.dumps({f"{c}@{n}": v for (c, n), v in results.items()}))
