@@ -45,10 +45,12 @@ import weakref
 import numpy as np
 
 from ..backend import get_array_module
-from .base import Transport
+from .base import LocalTransport, Transport
+from .cuda_ipc import CudaIpcTransport
 from .policy import SEGMENT_BYTES
-from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .ring import RingTransport, ring_allgather, ring_allreduce, ring_reduce_scatter
 from .schedule import chunk_bounds
+from .window import WindowTransport
 
 __all__ = ["Hierarchy", "HierarchicalTransport", "hierarchical_reduce", "owned_span"]
 
@@ -96,13 +98,11 @@ class HierarchicalTransport(Transport):
                 the array it is given, so device memory goes to MPI directly
                 when MPI is CUDA-aware.
         """
-        from .transports import create_transport
-
         intra = Hierarchy.of(comm).intra
         sizes = comm.allgather(intra.Get_size())
         if min(sizes) != max(sizes):
             return cls(comm)
-        inner = create_transport(local, intra) or create_transport("ring", intra)
+        inner = _within_host(local, intra)
         # Ranks pair up across hosts by the chunk they own, which need not be
         # their local rank (the ring's is local rank + 1): the split says so.
         across = comm.Split(inner.owned_chunk(), key=comm.Get_rank())
@@ -301,3 +301,11 @@ def hierarchical_reduce(comm, buf, combine, stages, segment):
     if intra.Get_size() > 1:
         intra.Bcast([buf, byte], root=0)
     return buf
+
+
+def _within_host(local, intra):
+    """The transport among one host's ranks (collective over ``intra``): the window asked for, else the ring."""
+    if intra.Get_size() == 1:
+        return LocalTransport(intra)
+    kind = {"shm": WindowTransport, "cuda-ipc": CudaIpcTransport}[local]
+    return kind.create(intra) or RingTransport(intra)
