@@ -162,7 +162,7 @@ def test_train_stops_on_a_signal_and_restores_the_handlers_it_found(tmp_path):
     # Caught during the third step's backward: the verdicts are taken after the
     # step's work, so that same step carries it and the run stops after it.
     assert (result.stopped, result.step) == ("sigterm", 3)
-    assert result.checkpoint == str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.npz")
+    assert result.checkpoint == str(tmp_path / "run" / "checkpoints" / "ckpt-00000003.npz")
 
 
 def test_progress_bar_on_a_terminal_leaves_epoch_lines_whole(tmp_path):
