@@ -14,17 +14,17 @@ __all__ = ["choose_transport", "ALGORITHMS", "SMALL_BYTES", "WINDOW_BYTES", "RIN
 # and the ring cross between 32 and 64 KiB.
 SMALL_BYTES = 64 << 10
 # Up to this many bytes on one host, "auto" reduces through the shared-memory
-# window. Its rounds synchronise through per-rank counters, not barriers
-# (ringtrain.comm.window), so a late rank no longer stalls every round. It
-# still moves more bytes per element than the ring, whose large messages
-# MPICH copies once between processes: 2 ranks, scripts/bench_window.py,
-# window bus bandwidth over the ring's (paired medians, load average 6-8 on
-# the 2-core development machine): 8 MiB 2.5x, 16 MiB 1.3x and 1.6x (two
-# runs), 32 MiB 1.0x, 64 MiB 0.66x, 256 MiB 0.51x. (The barrier-per-round
-# window it replaced: 16 MiB 0.39x, 64 MiB 0.18x in the same run.) At 3
-# ranks on 2 cores the window lost 8-32 MiB (0.67-0.85x): oversubscribed
-# ranks wait on each other every round. So up to 16 MiB.
-WINDOW_BYTES = 16 << 20
+# window: one copy less per byte than any message-passing path, 2.1-2.6x MPI's
+# Allreduce for a 2.6 MiB gradient at 2 ranks. Larger buffers go in several
+# rounds with two barriers each, and on a busy host one late rank stalls every
+# barrier; and even idle the ring wins from 8 MiB, because its large messages
+# MPICH copies once between processes (idle, 2 ranks, median of 20 calls:
+# 8 MiB window 1.32 ms against the ring's 0.82-0.92 ms; 16 MiB 3.4 against
+# 2.2-2.3 ms). Rounds synchronised by per-rank counters instead of barriers
+# were tried: under a load average of 6-8 they beat the ring at 8-16 MiB
+# (1.3-2.5x its bus bandwidth), but idle they took twice the barrier version's
+# time at 4 MiB (0.56 against 0.28 ms), so the barriers stayed.
+WINDOW_BYTES = 4 << 20
 # Below this many bytes (and above SMALL_BYTES, off the window), "auto" hands
 # the data to MPI's own collectives; from here up, the ring. At 2 ranks the
 # ring lost to MPI by 15-60% from 128 KiB to 2 MiB, tied at 4-8 MiB, and wins

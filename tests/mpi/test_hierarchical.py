@@ -15,7 +15,7 @@ from ringtrain.comm import allreduce, allreduce_, allreduce_many_
 from ringtrain.comm.hierarchical import Hierarchy
 from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.comm.transports import create_transport
-from ringtrain.comm.window import STAGE_BYTES
+from ringtrain.comm.window import HALF_BYTES
 from ringtrain.errors import MismatchError
 
 comm = MPI.COMM_WORLD
@@ -120,7 +120,7 @@ def _host_sizes(grouping):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [3, 1009, 2 * STAGE_BYTES // 8 + 77])  # the last takes several window rounds
+@pytest.mark.parametrize("n", [3, 1009, 2 * HALF_BYTES // 8 + 77])  # the last takes several window rounds
 @pytest.mark.parametrize("grouping", GROUPINGS[1:])
 def test_two_level_phases_over_made_up_hosts(grouping, n):
     # Equal hosts: both phases (window within, ring among chunk owners across),

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from references import data, reference, same_everywhere
 
 from ringtrain.comm.transports import create_transport
-from ringtrain.comm.window import STAGE_BYTES, STAGES
+from ringtrain.comm.window import HALF_BYTES
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -22,7 +22,7 @@ rank, size = comm.Get_rank(), comm.Get_size()
 TWO_PHASE = ["shm", "ring", "mpi", "hierarchical"]
 # A few elements (some ranks own none at 4), one round, and more window rounds than stages (each stage
 # reused), ending in a partial one.
-LENGTHS = [3, 100_003, (STAGES + 1) * STAGE_BYTES // 8 + 12_345]
+LENGTHS = [3, 100_003, HALF_BYTES // 8 + 12_345]
 
 
 @pytest.mark.mpi

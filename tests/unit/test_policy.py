@@ -5,7 +5,7 @@ import pytest
 from ringtrain.comm.policy import RING_BYTES, SMALL_BYTES, WINDOW_BYTES, choose_transport
 from ringtrain.comm.schedule import chunk_bounds
 from ringtrain.comm.transports import TRANSPORTS, create_transport
-from ringtrain.comm.window import STAGE_BYTES, piece_bounds, round_plan
+from ringtrain.comm.window import HALF_BYTES, ROUND_BYTES, piece_bounds, round_plan
 
 FITS, BIG = WINDOW_BYTES - 4096, max(WINDOW_BYTES, RING_BYTES) + 1
 
@@ -49,7 +49,8 @@ def test_unknown_names_list_the_known_ones():
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize("n, itemsize", [(0, 4), (1, 4), (10, 8), (100_003, 4), (3 * STAGE_BYTES // 4 + 17, 4), (5 * STAGE_BYTES // 8 + 3, 8)])
+@pytest.mark.parametrize("n, itemsize", [(0, 4), (1, 4), (10, 8), (100_003, 4), (3 * HALF_BYTES // 4 + 17, 4),
+                                         (5 * HALF_BYTES // 8 + 3, 8)])
 def test_round_plan_covers_each_chunk_once(n, itemsize, size):
     bounds, piece, rounds = round_plan(n, itemsize, size)
     assert bounds == chunk_bounds(n, size)
@@ -60,11 +61,10 @@ def test_round_plan_covers_each_chunk_once(n, itemsize, size):
         assert [a for a, _ in covered] == sorted(a for a, _ in covered)
 
 
-def test_a_buffer_that_fits_one_stage_goes_in_one_round_and_a_larger_one_in_stage_sized_rounds():
-    assert round_plan(STAGE_BYTES // 8, 4, 2)[2] == 1
-    assert round_plan(STAGE_BYTES // 4 - 64, 4, 2)[2] == 1
-    bounds, piece, rounds = round_plan(3 * STAGE_BYTES, 4, 2)
-    assert piece * 4 * 2 <= STAGE_BYTES and rounds == -(-(bounds[1] - bounds[0]) // piece) >= 3
+def test_a_buffer_that_fits_one_half_goes_in_one_round_and_a_larger_one_in_cache_sized_rounds():
+    assert round_plan(HALF_BYTES // 8, 4, 2)[2] == 1
+    bounds, piece, rounds = round_plan(HALF_BYTES, 4, 2)
+    assert piece * 4 * 2 <= ROUND_BYTES and rounds == -(-(bounds[1] - bounds[0]) // piece) > 1
 
 
 @pytest.mark.parametrize("local_size, hosts", [(1, 1), (2, 1), (1, 3), (2, 2), (3, 2), (4, 3)])
@@ -75,14 +75,3 @@ def test_two_level_spans_tile_the_buffer(n, local_size, hosts):
     spans = sorted(owned_span(n, local_size, chunk, hosts, h) for chunk in range(local_size) for h in range(hosts))
     assert spans[0][0] == 0 and spans[-1][1] == n
     assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-
-
-def test_stage_counters_grow_and_a_stage_is_reused_only_after_its_last_readers():
-    from ringtrain.comm.window import STAGES, posted_value, reusable_after
-
-    values = [posted_value(u, reduced) for u in range(10) for reduced in (False, True)]
-    assert values == sorted(set(values)) and values[0] > 0  # counters start at 0: nothing posted yet
-    for unit in range(3 * STAGES):
-        # The unit that last used this stage is unit - STAGES; readers done with it have done unit - STAGES + 1.
-        assert reusable_after(unit) == unit - STAGES + 1
-        assert reusable_after(unit) <= 0 or (reusable_after(unit) - 1) % STAGES == unit % STAGES
