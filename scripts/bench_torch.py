@@ -104,7 +104,7 @@ def _ringtrain_steps(model, comm, data):
 
     from ringtrain import TrainConfig, broadcast_, build_optimizer
     from ringtrain.models import flat_layout
-    from ringtrain.training.strategy import Phases, ShardedUpdate, choose_strategy
+    from ringtrain.training.strategy import VERDICTS, Phases, ShardedUpdate, Slot, choose_strategy
     from ringtrain.training.timeline import Timeline
     from ringtrain.watchdog import Watchdog, left_neighbour
 
@@ -116,13 +116,14 @@ def _ringtrain_steps(model, comm, data):
     phases = Phases(Timeline(rank, enabled=False), Watchdog(comm, cfg.timeout), left_neighbour(rank, size))
     strategy, _ = choose_strategy(cfg, model, opt, comm, phases)  # may move the buffers into shared memory
     sharded = strategy.sharded if isinstance(strategy, ShardedUpdate) else None
-    metrics = np.zeros(5)
+    metrics = np.zeros(len(Slot))
+    go_on = np.zeros(len(VERDICTS))  # no stop verdicts: the trainer's "keep going"
     count = [0]
 
     def step(rows, communicate):
         xb, yb = data.x[rows], data.y[rows]  # as the trainer's data phase: a fancy-indexed copy
         if communicate:
-            strategy.step(count[0], xb, yb, LR, 0.0, metrics)
+            strategy.step(count[0], xb, yb, LR, lambda: go_on, metrics)
         else:  # the same arithmetic, no collective: the whole update, or this rank's shard of it
             _, grads, _ = model.loss_and_grad(xb, yb)
             opt.step(model.params, grads, LR) if sharded is None else sharded.update(LR)
