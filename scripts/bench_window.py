@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +29,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ringtrain.comm import allreduce_
-from ringtrain.comm.transports import create_transport
 from ringtrain.commands.bench import parse_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import ROOT, mpirun, ringtrain, run, show
+from mpirun import ROOT, mpirun, ringtrain, show
 from ringtrain import build_model
 from ringtrain.checkpoint import list_checkpoints, save_checkpoint
 
