@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from .model_base import FlatModel, xent_in_place
+from .model_base import FlatModel, evaluate_in_chunks, xent_in_place
 
 __all__ = ["CNN"]
 
@@ -278,14 +278,12 @@ class CNN(FlatModel):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         x, y = self._check(x, y)
-        step = min(batch_size, _EVAL_ROWS)
-        loss_sum, correct = 0.0, 0
-        for start in range(0, x.shape[0], step):
-            xb, yb = x[start:start + step], y[start:start + step]
+
+        def logits_and_rows(xb):
             bufs = self._buffers_for(xb.shape[0])
-            chunk_loss, chunk_correct = xent_in_place(self.xp, self._forward(xb, bufs), yb, bufs["rows"], None)
-            loss_sum, correct = loss_sum + chunk_loss, correct + chunk_correct
-        return float(loss_sum), int(correct)
+            return self._forward(xb, bufs), bufs["rows"]
+
+        return evaluate_in_chunks(self.xp, x, y, min(batch_size, _EVAL_ROWS), logits_and_rows)
 
     # --- backward ---------------------------------------------------------------
 

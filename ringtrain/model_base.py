@@ -12,7 +12,7 @@ import numpy as np
 from . import backend
 from .flat import FlatLayout, address
 
-__all__ = ["Model", "FlatModel", "flat_layout", "softmax_cross_entropy", "xent_in_place"]
+__all__ = ["Model", "FlatModel", "flat_layout", "softmax_cross_entropy", "xent_in_place", "evaluate_in_chunks"]
 
 
 class Model:
@@ -183,3 +183,20 @@ def flat_layout(model):
         ValueError: for a FlatModel whose buffers break the contract.
     """
     return model.layout() if isinstance(model, FlatModel) else None
+
+
+def evaluate_in_chunks(xp, x, y, rows_per_chunk, logits_and_rows):
+    """``(loss_sum: float, correct: int)`` over ``x`` a chunk at a time, for models with reused buffers.
+
+    ``logits_and_rows(xb)`` runs the forward pass into the model's own
+    buffers and returns the logits (which the loss may overwrite) and
+    ``xp.arange(len(xb))``. The sums stay on the device until the end, so a
+    GPU is not waited on once per chunk.
+    """
+    loss_sum, correct = 0.0, 0
+    for start in range(0, x.shape[0], rows_per_chunk):
+        xb, yb = x[start:start + rows_per_chunk], y[start:start + rows_per_chunk]
+        logits, rows = logits_and_rows(xb)
+        chunk_loss, chunk_correct = xent_in_place(xp, logits, yb, rows, None)
+        loss_sum, correct = loss_sum + chunk_loss, correct + chunk_correct
+    return float(loss_sum), int(correct)

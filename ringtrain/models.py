@@ -38,7 +38,8 @@ import operator
 import numpy as np
 
 from .cnn import CNN
-from .model_base import FlatModel, Model, flat_layout, softmax_cross_entropy, xent_in_place
+from .model_base import (FlatModel, Model, evaluate_in_chunks, flat_layout, softmax_cross_entropy,
+                         xent_in_place)
 
 __all__ = [
     "Model",
@@ -146,13 +147,12 @@ class MLP(FlatModel):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         x, y = self._check(x, y)
-        loss_sum, correct = 0.0, 0
-        for start in range(0, x.shape[0], batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+
+        def logits_and_rows(xb):
             acts, _, rows = self._buffers_for(xb.shape[0])
-            chunk_loss, chunk_correct = xent_in_place(self.xp, self._forward(xb, acts), yb, rows, None)
-            loss_sum, correct = loss_sum + chunk_loss, correct + chunk_correct
-        return float(loss_sum), int(correct)
+            return self._forward(xb, acts), rows
+
+        return evaluate_in_chunks(self.xp, x, y, batch_size, logits_and_rows)
 
     def loss_and_grad(self, x, y, on_grad=None):
         """Return ``(loss, grads, correct)`` for one batch; see the module docstring.
