@@ -17,6 +17,7 @@ import pytest
 
 from mpirun import ROOT, mpirun, ringtrain, run, show
 from mpirun import test_env as job_env
+from refusals import assert_refused
 from ringtrain.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
 
 SMALL = ["--dataset", "synthetic", "--samples", "400", "--features", "8", "--classes", "3", "--hidden", "8",
@@ -71,24 +72,8 @@ MPI_CASES = ["config-fifo", "data-fifo", "data-label-a-billion", "resume-fifo", 
              "model-too-many-parameters"]
 
 
-def snapshot(root):
-    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
-
-
 def check(tmp_path, args, needle, start):
-    args = [a.format(tmp=tmp_path) for a in args]
-    make_inputs(tmp_path)
-    before = snapshot(tmp_path)
-    began = time.monotonic()
-    result = start(ringtrain(*args))
-    elapsed = time.monotonic() - began
-    assert result.returncode == 2, show(result)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, show(result)
-    assert lines[0].startswith("ringtrain: error: ") and needle.format(tmp=tmp_path) in lines[0], show(result)
-    assert "Traceback" not in result.stderr + result.stdout
-    assert snapshot(tmp_path) == before, "something was written"
-    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert_refused(tmp_path, args, needle, start, make_inputs)
 
 
 @pytest.mark.parametrize("args, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
