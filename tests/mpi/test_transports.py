@@ -7,6 +7,8 @@ reduce-scatter holds that chunk's reduction, and every rank ends with the
 same bits. Each test finishes its collectives before it asserts.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -20,23 +22,31 @@ rank, size = comm.Get_rank(), comm.Get_size()
 # Bitwise equal to their two phases; MPI's Allreduce picks its own order. On one host the hierarchical
 # transport is the window within the host and nothing across (tests/mpi/test_hierarchical.py fakes hosts).
 TWO_PHASE = ["shm", "ring", "mpi", "hierarchical"]
-# A few elements (some ranks own none at 4), one round, and more window rounds than stages (each stage
-# reused), ending in a partial one.
+# A few elements (some ranks own none at 4), one round, and several window rounds ending in a partial one.
 LENGTHS = [3, 100_003, HALF_BYTES // 8 + 12_345]
+
+
+@contextlib.contextmanager
+def made(name, **options):
+    """A transport on a duplicate of the world, closed and freed afterwards (collective)."""
+    dup = comm.Dup()
+    transport = create_transport(name, dup, **options)
+    try:
+        yield transport
+    finally:
+        transport.close()
+        dup.Free()
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("name", TWO_PHASE)
 def test_allreduce_matches_mpi_and_is_the_same_everywhere(name, n):
-    dup = comm.Dup()
-    transport = create_transport(name, dup)
-    x, xi = data(n, np.float64, 1), data(n, np.int64, 2)
-    want, want_i = reference(x), reference(xi)
-    transport.allreduce(x)
-    transport.allreduce(xi)
-    transport.close()
-    dup.Free()
+    with made(name) as transport:
+        x, xi = data(n, np.float64, 1), data(n, np.int64, 2)
+        want, want_i = reference(x), reference(xi)
+        transport.allreduce(x)
+        transport.allreduce(xi)
     np.testing.assert_allclose(x, want, rtol=1e-12, atol=1e-12)
     assert np.array_equal(xi, want_i)
     assert same_everywhere(x)
@@ -46,17 +56,14 @@ def test_allreduce_matches_mpi_and_is_the_same_everywhere(name, n):
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("name", TWO_PHASE)
 def test_allreduce_is_its_reduce_scatter_then_its_allgather(name, n):
-    dup = comm.Dup()
-    transport = create_transport(name, dup)
-    fused, phased = data(n, np.float32, 3), data(n, np.float32, 3)
-    transport.allreduce(fused)
-    transport.reduce_scatter(phased)
-    a, b = transport.owned(n)
-    chunk = phased[a:b].copy()
-    transport.allgather(phased)
-    owned = comm.allgather((a, b))
-    transport.close()
-    dup.Free()
+    with made(name) as transport:
+        fused, phased = data(n, np.float32, 3), data(n, np.float32, 3)
+        transport.allreduce(fused)
+        transport.reduce_scatter(phased)
+        a, b = transport.owned(n)
+        chunk = phased[a:b].copy()
+        transport.allgather(phased)
+        owned = comm.allgather((a, b))
     exact = name != "mpi"  # MPI's Allreduce and its Reduce_scatter may add in different orders
     compare = np.array_equal if exact else (lambda p, q: np.allclose(p, q, rtol=1e-5, atol=1e-5))
     assert compare(phased, fused)
@@ -71,30 +78,24 @@ def test_allreduce_is_its_reduce_scatter_then_its_allgather(name, n):
 @pytest.mark.parametrize("n", LENGTHS[:2])
 def test_window_reads_shared_arrays_in_place_with_the_same_bits(n):
     # The sharded step keeps the model's buffers in the window; the allreduce stages through slots.
-    dup = comm.Dup()
-    transport = create_transport("shm", dup, shared_bytes=8 * n + 64)
-    staged = data(n, np.float64, 4)
-    shared = staged.copy()
-    if size > 1:
-        shared = transport.share(n, np.float64)
-        shared[:] = staged
-    transport.allreduce(staged)
-    transport.reduce_scatter(shared)
-    transport.allgather(shared)
-    result = shared.copy()
-    transport.close()
-    dup.Free()
+    with made("shm", shared_bytes=8 * n + 64) as transport:
+        staged = data(n, np.float64, 4)
+        shared = staged.copy()
+        if size > 1:
+            shared = transport.share(n, np.float64)
+            shared[:] = staged
+        transport.allreduce(staged)
+        transport.reduce_scatter(shared)
+        transport.allgather(shared)
+        result = shared.copy()
     assert np.array_equal(result, staged)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", TWO_PHASE)
 def test_small_sums_back_to_back(name):
-    dup = comm.Dup()
-    transport = create_transport(name, dup)
-    sums = [transport.sum_small(np.array([rank + k, -1.0, 0.5])) for k in range(3)]
-    transport.close()
-    dup.Free()
+    with made(name) as transport:
+        sums = [transport.sum_small(np.array([rank + k, -1.0, 0.5])) for k in range(3)]
     total = size * (size - 1) / 2
     assert [list(s) for s in sums] == [[total + k * size, -size, 0.5 * size] for k in range(3)]
 
@@ -104,13 +105,10 @@ def test_small_sums_back_to_back(name):
 def test_window_results_do_not_depend_on_how_the_buffer_is_cut(cut):
     # Every element is summed in rank order whoever owns it: a gradient
     # reduced in buckets equals the sharded step's one reduce-scatter over it.
-    dup = comm.Dup()
-    transport = create_transport("shm", dup)
-    whole = data(100_003, np.float32, 8)
-    parts = whole.copy()
-    transport.allreduce(whole)
-    transport.allreduce(parts[:cut])
-    transport.allreduce(parts[cut:])
-    transport.close()
-    dup.Free()
+    with made("shm") as transport:
+        whole = data(100_003, np.float32, 8)
+        parts = whole.copy()
+        transport.allreduce(whole)
+        transport.allreduce(parts[:cut])
+        transport.allreduce(parts[cut:])
     assert np.array_equal(whole, parts)
