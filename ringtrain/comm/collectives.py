@@ -11,16 +11,18 @@ values.
 How a call runs:
 
 * Small messages (at most :data:`~ringtrain.comm.policy.SMALL_BYTES`, with
-  ``algorithm="auto"``) are latency-bound. They go by recursive doubling
-  (:func:`ringtrain.comm.schedule.doubling_schedule`) with the header carried
-  in the same message as the data: one round trip at 2 ranks, the same as
-  MPI's own ``Allreduce``, and the check costs nothing extra. At 2 ranks a
-  NumPy call is replayed from a prepared plan (:mod:`ringtrain.comm.pair`),
-  so Python adds well under a microsecond. (MPI's ``Allreduce`` cannot carry
-  the header: with mismatched counts its behaviour is undefined, so checking
-  first would need a second collective, which doubles the time of a 4 KiB
-  call.)
-* Larger messages send the header alone (a few microseconds), then go to
+  ``algorithm="auto"``) are latency-bound, and carry their data with the
+  header, so the check costs nothing extra. On one host every rank posts
+  header and data on the shared-memory board (:mod:`ringtrain.comm.board`)
+  and passes one barrier, then adds everyone's data in rank order. Across
+  hosts they go by recursive doubling
+  (:func:`ringtrain.comm.schedule.doubling_schedule`), the data in the
+  header's message. A repeated NumPy call is replayed from a prepared plan
+  (:func:`ringtrain.comm.pair.small_plan`), so Python adds little. (MPI's
+  ``Allreduce`` cannot carry the header: with mismatched counts its
+  behaviour is undefined, so checking first would need a second
+  collective, which doubles the time of a 4 KiB call.)
+* Larger messages exchange the header alone (the same way), then go to
   the transport the size policy picks (:func:`ringtrain.comm.policy.choose_transport`):
   the shared-memory window on one host, MPI's own collectives, the pipelined
   ring, or the hierarchical allreduce (:mod:`ringtrain.comm.transports`).
@@ -48,7 +50,7 @@ from ..errors import UsageError
 from .cuda import cuda_aware
 from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, exchange,
                      raise_mismatch)
-from .pair import pair_plan
+from .pair import small_plan
 from .policy import SMALL_BYTES
 from .state import state_of
 
@@ -80,12 +82,12 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
     # float16 sums overflow easily: divide first (as PyTorch DDP does) for fp16 only;
     # wider floats divide last, which is more accurate.
     predivide = code == 0 and op == "mean" and dtype == np.float16
-    if small and not gpu and state.size == 2:
-        plan = pair_plan(state, who, flat, op, algorithm, narrays, signature)
+    if small and not gpu:
+        plan = small_plan(state, who, flat, op, algorithm, narrays, signature)
         if plan is not None:
             return plan.run(flat)
     if small:
-        payload = state.views(dtype, flat.size)[0]
+        payload = state.payload(dtype, flat.size)
         if gpu:
             backend.synchronize(flat)
             flat.get(out=payload)
@@ -192,8 +194,8 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
         UsageError: on every rank, when any rank's arguments are unusable.
     """
     state = state_of(comm)
-    if state.size == 2 and type(x) is np.ndarray and x.flags.writeable:
-        plan = pair_plan(state, "allreduce_", x, op, algorithm)
+    if state.size > 1 and type(x) is np.ndarray and x.flags.writeable:
+        plan = small_plan(state, "allreduce_", x, op, algorithm)
         if plan is not None:
             return plan.run(x)
     flat = _flat_view(x)

@@ -22,7 +22,9 @@ check costs no extra round trip; a larger call sends the header alone first.
 
 The tables, the messages and the checks are pure; :func:`exchange` is the
 protocol itself, over the buffers a communicator's
-:class:`~ringtrain.comm.state.CommState` keeps.
+:class:`~ringtrain.comm.state.CommState` keeps: by recursive doubling across
+hosts, and through the shared-memory board (:mod:`ringtrain.comm.board`)
+when every rank shares one host.
 """
 
 import enum
@@ -177,7 +179,7 @@ def check_local(flat, op, algorithm):
 
 
 def exchange(state, header, payload, combine, out):
-    """The header exchange, by recursive doubling, with an optional payload.
+    """The header exchange, with an optional payload: on the board on one host, else by recursive doubling.
 
     Every rank goes through the same rounds whatever its header says, and
     receives into buffers with room for any header plus the largest small
@@ -189,8 +191,7 @@ def exchange(state, header, payload, combine, out):
 
     Args:
         header: ``NFIELDS`` ints.
-        payload: the payload view from :meth:`~ringtrain.comm.state.CommState.views`, in
-            ``state.send`` after the header,
+        payload: the view from :meth:`~ringtrain.comm.state.CommState.payload`,
             holding this rank's data, or None to send the header alone.
         combine: ``f(a, b, out)`` applied lower rank first.
         out: 1-D NumPy array the result is written to.
@@ -208,6 +209,9 @@ def exchange(state, header, payload, combine, out):
         if len(state.packed) > 1024:  # bounded: headers repeat in training loops
             state.packed.clear()
         mine = state.packed[header] = HEADER.pack(*header, *(-v for v in header))
+    board = state.board()
+    if board is not None:
+        return board.exchange(mine, payload is not None, combine, out)
     state.send_bytes[:HEADER_BYTES] = mine
     if payload is None:
         message, theirs = state.header_only, None

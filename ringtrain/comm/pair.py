@@ -1,26 +1,28 @@
-"""Small CPU calls between exactly two ranks, prepared once and replayed.
+"""Small CPU calls, prepared once and replayed.
 
-At 2 ranks the latency-bound allreduce is dominated by Python, not by the
-wire. :func:`pair_plan` prepares, once per call shape, a :class:`PairPlan`
-that replays the header-checked exchange of :func:`ringtrain.comm.header.exchange`
-with a persistent send and receive. The plans are kept on the communicator's
-:class:`~ringtrain.comm.state.CommState` and freed with it.
+The latency-bound allreduce is dominated by Python, not by the wire.
+:func:`small_plan` prepares, once per call shape, a plan that replays the
+header-checked exchange of :func:`ringtrain.comm.header.exchange`: on one
+host a :class:`~ringtrain.comm.board.BoardPlan`, across hosts at 2 ranks a
+:class:`PairPlan`, with a persistent send and receive. The plans are kept
+on the communicator's :class:`~ringtrain.comm.state.CommState` and freed
+with it.
 """
 
 import functools
 
 import numpy as np
 
-from .header import ALGORITHM_CODE, COMBINE, DTYPE_CODE, HEADER_BYTES, NFIELDS, OP_CODE, TAG, raise_mismatch
+from .header import ALGORITHM_CODE, COMBINE, DTYPE_CODE, HEADER, HEADER_BYTES, NFIELDS, OP_CODE, TAG, raise_mismatch
 from .policy import SMALL_BYTES
 
-__all__ = ["PairPlan", "pair_plan"]
+__all__ = ["PairPlan", "small_plan"]
 
 _NO_PLAN = object()
 
 
 class PairPlan:
-    """A small CPU call between exactly two ranks, prepared once and replayed.
+    """A small CPU call between exactly two ranks on different hosts, prepared once and replayed.
 
     The latency-bound case is dominated by Python, not by the wire: MPI's own
     ``Allreduce`` of 4 KiB takes about 5 us here, and every microsecond of
@@ -107,8 +109,12 @@ def _combine_out(combine, a, b, out):
     return combine(a, b, out=out)
 
 
-def pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
-    """The :class:`PairPlan` for this call, made on first use; None where the general path must run."""
+def small_plan(state, who, x, op, algorithm, narrays=1, signature=0):
+    """The plan that replays this small call, made on first use; None where the general path must run.
+
+    On one host a :class:`~ringtrain.comm.board.BoardPlan` (any rank
+    count); across hosts at 2 ranks a :class:`PairPlan`.
+    """
     key = (who, x.dtype, x.shape, op, algorithm, narrays, signature)
     plans = state.plans
     plan = plans.get(key, _NO_PLAN)
@@ -117,10 +123,14 @@ def pair_plan(state, who, x, op, algorithm, narrays=1, signature=0):
             state.drop_plans()
         dtype = np.dtype(x.dtype)
         plan = None
-        if (state.size == 2 and type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
+        if (type(x) is np.ndarray and algorithm == "auto" and x.nbytes <= SMALL_BYTES
                 and op in OP_CODE and dtype in DTYPE_CODE and not (op == "mean" and dtype.kind != "f")):
             header = (0, narrays, DTYPE_CODE[dtype], x.size, OP_CODE[op], ALGORITHM_CODE[algorithm], 0,
                       signature, 0)
-            plan = PairPlan(state, who, header, dtype, x.shape, op)
+            board = state.board()
+            if board is not None:
+                plan = board.plan(who, header, HEADER.pack(*header, *(-v for v in header)), dtype, x.shape, op)
+            elif state.size == 2:
+                plan = PairPlan(state, who, header, dtype, x.shape, op)
         plans[key] = plan
     return plan

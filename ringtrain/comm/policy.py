@@ -7,11 +7,12 @@ carries the measurement behind it, so a new measurement changes one line.
 __all__ = ["choose_transport", "ALGORITHMS", "SMALL_BYTES", "WINDOW_BYTES", "RING_BYTES", "SEGMENT_BYTES",
            "SMALL_VALUES"]
 
-# At or below this many bytes, "auto" is latency-bound and reduces by recursive
-# doubling with the header in the same message (not a transport: see
-# ringtrain.comm.collectives). Measured with `ringtrain bench allreduce` at 2
-# ranks on the 2-core development machine (MPICH 5, shared memory): doubling
-# and the ring cross between 32 and 64 KiB.
+# At or below this many bytes, "auto" is latency-bound and carries the data
+# with the header (not a transport: see ringtrain.comm.collectives): on the
+# shared-memory board on one host, by recursive doubling across hosts.
+# Measured with `ringtrain bench allreduce` at 2 ranks on the 2-core
+# development machine (MPICH 5, shared memory): doubling and the ring cross
+# between 32 and 64 KiB.
 SMALL_BYTES = 64 << 10
 # Up to this many bytes on one host, "auto" reduces through the shared-memory
 # window: one copy less per byte than any message-passing path, 2.1-2.6x MPI's

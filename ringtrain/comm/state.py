@@ -22,6 +22,7 @@ import weakref
 
 import numpy as np
 
+from .board import Board
 from .header import HEADER_BYTES
 from .policy import SMALL_BYTES, choose_transport
 from .schedule import doubling_schedule
@@ -45,6 +46,7 @@ class CommState:
         self.doubling = doubling_schedule(self.rank, self.size)
         self.cuda_aware = None  # asked on the first GPU array
         self._one_host = None   # asked on the first call that needs it (collective)
+        self._board = False     # made on the first header exchange (collective); None across hosts
         self._transports = {}
         self._buffers = {}
         capacity = HEADER_BYTES + SMALL_BYTES
@@ -60,7 +62,7 @@ class CommState:
         # and buffer views are made once.
         self.packed = {}
         self._views = {}
-        # Steady-state plans for small CPU calls at 2 ranks (ringtrain.comm.pair),
+        # Steady-state plans for small CPU calls (ringtrain.comm.pair.small_plan),
         # keyed on everything the header says; None where no plan applies.
         self.plans = {}
         self.freeing_requests = False
@@ -87,6 +89,29 @@ class CommState:
             self._one_host = bool(self.comm.allreduce(int(node.Get_size() == self.size), op=MPI.MIN))
             node.Free()
         return self._one_host
+
+    def board(self):
+        """The shared-memory :class:`~ringtrain.comm.board.Board` for header exchanges, or None across hosts.
+
+        Made on the first header exchange, which every rank reaches in the
+        same call (collective).
+        """
+        if self._board is False:
+            self._board = Board.create(self.comm) if self.one_host() else None
+        return self._board
+
+    def exchange_by_messages(self):
+        """Exchange headers by point-to-point messages even on one host, as across hosts.
+
+        For tests and debugging of the across-host protocol on one machine;
+        call it on every rank before the communicator's first collective.
+        """
+        self._board = None
+
+    def payload(self, dtype, count):
+        """The view a small call's data goes in before :func:`ringtrain.comm.header.exchange`."""
+        board = self.board()
+        return board.payload(dtype, count) if board is not None else self.views(dtype, count)[0]
 
     def transport_for(self, algorithm, nbytes, gpu=False):
         """The transport the size policy picks for ``nbytes`` under ``algorithm``, made on first use.
@@ -132,6 +157,9 @@ class CommState:
         for transport in transports:
             if transport is not None:
                 transport.close()
+        board, self._board = self._board, False
+        if board:
+            board.close()
 
     def buffer(self, name, nbytes, xp=np, pinned=False):
         """A reused 1-D uint8 buffer of at least ``nbytes``; grows, never shrinks."""

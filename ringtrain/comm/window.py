@@ -34,6 +34,8 @@ step is enough: the half a round writes was last read two rounds earlier,
 before the sync that every rank has since passed.
 """
 
+import time
+
 import numpy as np
 
 from ..flat import address
@@ -48,6 +50,10 @@ __all__ = ["SharedArena", "WindowTransport", "HALF_BYTES", "ROUND_BYTES"]
 # round publishes is still in cache when the peers read it.
 HALF_BYTES = WINDOW_BYTES
 ROUND_BYTES = 1 << 20
+# Polls of a peer's counter before sleeping between polls: about 100 us.
+_SPINS = 1000
+# A cache line: each rank's arrival counter has one to itself.
+_LINE = 64
 # The tail of each half carries sum_small's values.
 _TAIL_BYTES = SMALL_VALUES * 8
 
@@ -62,8 +68,13 @@ class SharedArena:
     def __init__(self, comm, node, win, slots, slot_bytes):
         self.comm, self._node, self._win = comm, node, win
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.slots = [slot[:slot_bytes] for slot in slots]
-        self.extras = [slot[slot_bytes:] for slot in slots]
+        # Each rank's arrival counter has a cache line of its own, before its slot.
+        counters = [slot[:_LINE].view(np.int64)[:1] for slot in slots]
+        self._mine = counters[self.rank]
+        self._peers = [c for r, c in enumerate(counters) if r != self.rank]
+        self._arrivals = 0
+        self.slots = [slot[_LINE:_LINE + slot_bytes] for slot in slots]
+        self.extras = [slot[_LINE + slot_bytes:] for slot in slots]
         self.half = slot_bytes // 2
 
     @classmethod
@@ -82,18 +93,37 @@ class SharedArena:
         if not together:
             node.Free()
             return None
-        total = slot_bytes + extra_bytes
+        total = _LINE + slot_bytes + extra_bytes
         win = MPI.Win.Allocate_shared(total, 1, comm=node)
         slots = [np.frombuffer(win.Shared_query(r)[0], np.uint8, total) for r in range(node.Get_size())]
         # One passive-target epoch for the arena's life: Win.Sync then orders
-        # each rank's plain loads and stores around the barriers.
+        # each rank's plain loads and stores around the barriers. Opened
+        # before the barrier below, while every rank is inside MPI: MPICH
+        # may need the peers' progress to grant it, and ranks spinning in
+        # sync() make none.
         win.Lock_all()
+        slots[node.Get_rank()][:_LINE] = 0
+        node.Barrier()  # every counter is zero before anyone counts
         return cls(comm, node, win, slots, slot_bytes)
 
     def sync(self):
-        """Every rank's writes so far are visible to every rank (collective)."""
+        """Every rank's writes so far are visible to every rank (collective).
+
+        A barrier on counters in the window rather than MPI's: each rank
+        counts its arrivals in its own counter and waits until every peer's
+        has caught up. 0.4 us at 2 ranks against 2.5 us for ``MPI_Barrier``
+        (idle, median of 3,000), which small calls feel. ``Win.Sync`` is
+        MPI's memory barrier: it orders this rank's stores before its
+        counter, and the peers' counters before the loads that follow.
+        A stalled peer keeps us here as it would in any collective, for the
+        watchdog to end.
+        """
+        self._arrivals += 1
+        arrivals = self._arrivals
         self._win.Sync()
-        self._node.Barrier()
+        self._mine[0] = arrivals
+        for counter in self._peers:
+            _wait_for(counter, arrivals)
         self._win.Sync()
 
     def free(self):
@@ -103,6 +133,18 @@ class SharedArena:
             self._win.Free()
             self._node.Free()
             self._win = self._node = None
+
+
+def _wait_for(counter, value):
+    """Spin until ``counter[0]`` reaches ``value``; then sleep between polls."""
+    for _ in range(_SPINS):
+        if counter[0] >= value:
+            return
+    # A peer this late is busy or descheduled. Sleeping gives up the core
+    # (which, with more ranks than cores, it may need) and the GIL (which
+    # the thread computing backward beside the reducer's does).
+    while counter[0] < value:
+        time.sleep(0)
 
 
 def piece_bounds(bounds, owner, k, piece):

@@ -14,7 +14,7 @@ from references import close, data, reference, same_everywhere
 from ringtrain import backend
 from ringtrain.comm import allreduce, allreduce_, allreduce_many_, broadcast_
 from ringtrain.comm.policy import SMALL_BYTES
-from ringtrain.comm.state import CommState
+from ringtrain.comm.state import CommState, release
 from ringtrain.errors import MismatchError, UsageError
 
 comm = MPI.COMM_WORLD
@@ -210,3 +210,58 @@ def test_shared_memory_in_blocks_matches_mpi(dtype):
     everywhere = same_everywhere(got)
     assert close(got, want, dtype) and everywhere
     assert got.tobytes() == again.tobytes()
+
+
+@pytest.fixture(params=["board", "messages"])
+def header_comm(request):
+    """A duplicate of the world whose header exchange goes through the shared-memory board or by messages."""
+    dup = comm.Dup()
+    if request.param == "messages":
+        CommState.of(dup).exchange_by_messages()
+    yield dup
+    release(dup)
+
+
+@pytest.mark.mpi
+def test_small_calls_match_mpi_either_way(header_comm):
+    failures = []
+    for dtype in DTYPES:
+        for n in (0, 1, 3, 1009, 2048, 2100, SMALL_BYTES // np.dtype(dtype).itemsize):
+            for op in ("sum", "mean", "max"):
+                if op == "mean" and np.dtype(dtype).kind == "i":
+                    continue
+                x = data(n, dtype, seed=5)
+                want = reference(x, op, on=header_comm)
+                got = allreduce_(x.copy(), op, header_comm)
+                if not (close(got, want, dtype) and same_everywhere(got, on=header_comm)):
+                    failures.append((np.dtype(dtype).name, n, op))
+    assert failures == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatches_raise_either_way(header_comm):
+    last = size - 1
+    messages = [
+        _mismatch(lambda: allreduce_(np.ones(10 if rank == 0 else 11, np.float32), "sum", header_comm)),
+        _mismatch(lambda: allreduce_(np.ones(2100, np.float64 if rank == last else np.float32), "sum", header_comm)),
+        _mismatch(lambda: allreduce_(np.ones(10 if rank == 0 else 100_000), "sum", header_comm)),
+    ]
+    after = allreduce(np.ones(5), "sum", header_comm)
+    assert all(m is not None for m in messages), messages
+    assert "10 elements and 11 elements" in messages[0] and "float32 and float64" in messages[1]
+    assert "10 elements and 100000 elements" in messages[2]
+    assert np.array_equal(after, np.full(5, float(size)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("nbytes", [4096, 8192, SMALL_BYTES, 3 * SMALL_BYTES])
+def test_one_host_sums_in_rank_order(nbytes):
+    # On one host small calls (the board) and larger ones (the window) both
+    # add rank 0's values, then rank 1's, ...: bitwise a NumPy sum in rank order.
+    x = data(nbytes // 4, np.float32, seed=6)
+    everyone = comm.allgather(x)
+    want = everyone[0].copy()
+    for theirs in everyone[1:]:
+        want += theirs
+    got = allreduce(x, "sum", comm)
+    assert got.tobytes() == want.tobytes()
