@@ -48,8 +48,8 @@ import numpy as np
 from .. import backend
 from ..errors import UsageError
 from .cuda import cuda_aware
-from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, exchange,
-                     raise_mismatch)
+from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, code_of,
+                     exchange, raise_mismatch)
 from .pair import small_plan
 from .policy import SMALL_BYTES
 from .state import state_of
@@ -75,9 +75,9 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
         return flat
     dtype = flat.dtype
     gpu = backend.is_gpu_array(flat)
-    header = (code, narrays, DTYPE_CODE.get(dtype, 0), flat.size, OP_CODE.get(op, 0),
-              ALGORITHM_CODE.get(algorithm, 0), 0, signature, int(gpu))
-    combine = COMBINE.get(op)
+    header = (code, narrays, DTYPE_CODE.get(dtype, 0), flat.size, code_of(OP_CODE, op),
+              code_of(ALGORITHM_CODE, algorithm), 0, signature, int(gpu))
+    combine = COMBINE.get(op) if code == 0 else None
     small = code == 0 and algorithm == "auto" and flat.nbytes <= SMALL_BYTES
     # float16 sums overflow easily: divide first (as PyTorch DDP does) for fp16 only;
     # wider floats divide last, which is more accurate.
@@ -254,7 +254,9 @@ def broadcast_(x, root=0, comm=None):
         if code:
             raise UsageError(f"broadcast_: {message}", everywhere=True)
         return x
-    header = (code, 1, DTYPE_CODE.get(dtype, 0), x.size, BROADCAST, 0, root, 0, int(backend.is_gpu_array(x)))
+    # An out-of-range root goes as -1: it must fit the header's int64 field.
+    header = (code, 1, DTYPE_CODE.get(dtype, 0), x.size, BROADCAST, 0, root if 0 <= root < state.size else -1, 0,
+              int(backend.is_gpu_array(x)))
     verdict = exchange(state, header, None, None, None)
     if verdict is not None:
         raise_mismatch("broadcast_", header, verdict, message)

@@ -52,6 +52,7 @@ __all__ = [
     "SIGNATURE_MASK",
     "Problem",
     "raise_mismatch",
+    "code_of",
     "check_local",
     "exchange",
 ]
@@ -163,15 +164,24 @@ def raise_mismatch(who, header, verdict, local_problem):
     raise MismatchError(f"{who}: ranks disagree on the call")  # pragma: no cover - unreachable
 
 
+def code_of(table, name):
+    """``table[name]``, or 0 for a name it lacks, unhashable ones included (pure).
+
+    A bad argument must reach the header as a problem code, not raise on
+    this rank alone before the exchange and leave its peers waiting.
+    """
+    return table.get(name, 0) if isinstance(name, str) else 0
+
+
 def check_local(flat, op, algorithm):
     """``(Problem, message)`` for this rank's own arguments; ``(Problem.NONE, None)`` when fine."""
     dtype = flat.dtype
     if dtype not in DTYPE_CODE:
         names = ", ".join(str(d) for d in DTYPES)
         return Problem.DTYPE, f"unsupported dtype {dtype}; use one of {names}"
-    if op not in OP_CODE:
+    if not isinstance(op, str) or op not in OP_CODE:
         return Problem.OP, f"unknown op {op!r}; choose one of {', '.join(OPS)}"
-    if algorithm not in ALGORITHM_CODE:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHM_CODE:
         return Problem.ALGORITHM, f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
     if op == "mean" and dtype.kind != "f":
         return Problem.MEAN_NEEDS_FLOAT, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"

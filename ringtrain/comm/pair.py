@@ -115,6 +115,8 @@ def small_plan(state, who, x, op, algorithm, narrays=1, signature=0):
     On one host a :class:`~ringtrain.comm.board.BoardPlan` (any rank
     count); across hosts at 2 ranks a :class:`PairPlan`.
     """
+    if not (isinstance(op, str) and isinstance(algorithm, str)):
+        return None  # unhashable or odd: the general path refuses it on every rank
     key = (who, x.dtype, x.shape, op, algorithm, narrays, signature)
     plans = state.plans
     plan = plans.get(key, _NO_PLAN)

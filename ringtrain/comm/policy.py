@@ -18,13 +18,14 @@ SMALL_BYTES = 64 << 10
 # window: one copy less per byte than any message-passing path, 2.1-2.6x MPI's
 # Allreduce for a 2.6 MiB gradient at 2 ranks. Larger buffers go in several
 # rounds with two barriers each, and on a busy host one late rank stalls every
-# barrier; and even idle the ring wins from 8 MiB, because its large messages
-# MPICH copies once between processes (idle, 2 ranks, median of 20 calls:
-# 8 MiB window 1.32 ms against the ring's 0.82-0.92 ms; 16 MiB 3.4 against
-# 2.2-2.3 ms). Rounds synchronised by per-rank counters instead of barriers
-# were tried: under a load average of 6-8 they beat the ring at 8-16 MiB
-# (1.3-2.5x its bus bandwidth), but idle they took twice the barrier version's
-# time at 4 MiB (0.56 against 0.28 ms), so the barriers stayed.
+# barrier; and even idle the ring is level from 8 MiB, because its large
+# messages MPICH copies once between processes. With the counter barrier
+# (ringtrain.comm.window.SharedArena.sync), idle, 2 ranks, median of 180
+# calls: 4 MiB window 0.38 ms against the ring's 0.52; 8 MiB 1.2-1.5 against
+# 1.2-1.3; 16 MiB 3.4 against 2.8; 64 MiB 12.9 against 12.6. Both are at
+# this machine's memory-bandwidth floor there: the two ranks copying a
+# 64 MiB buffer each at the same time take 7.5-8.5 ms, and an allreduce
+# moves at least 1.5 buffers' worth per rank.
 WINDOW_BYTES = 4 << 20
 # Below this many bytes (and above SMALL_BYTES, off the window), "auto" hands
 # the data to MPI's own collectives; from here up, the ring. At 2 ranks the

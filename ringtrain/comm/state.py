@@ -106,6 +106,8 @@ class CommState:
         For tests and debugging of the across-host protocol on one machine;
         call it on every rank before the communicator's first collective.
         """
+        if self._board is not False:
+            raise RuntimeError("exchange_by_messages() must come before the communicator's first collective")
         self._board = None
 
     def payload(self, dtype, count):
@@ -157,8 +159,8 @@ class CommState:
         for transport in transports:
             if transport is not None:
                 transport.close()
-        board, self._board = self._board, False
-        if board:
+        if self._board:
+            board, self._board = self._board, False
             board.close()
 
     def buffer(self, name, nbytes, xp=np, pinned=False):

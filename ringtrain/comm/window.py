@@ -98,7 +98,9 @@ class SharedArena:
         if not together:
             node.Free()
             return None
-        total = _LINE + slot_bytes + extra_bytes
+        # Whole cache lines: MPICH packs the ranks' segments back to back, and
+        # each rank's counter must start a line of its own.
+        total = -(-(_LINE + slot_bytes + extra_bytes) // _LINE) * _LINE
         win = MPI.Win.Allocate_shared(total, 1, comm=node)
         slots = [np.frombuffer(win.Shared_query(r)[0], np.uint8, total) for r in range(node.Get_size())]
         # One passive-target epoch for the arena's life: Win.Sync then orders
@@ -128,7 +130,7 @@ class SharedArena:
         self._win.Sync()
         self._mine[0] = arrivals
         for counter in self._peers:
-            _wait_for(counter, arrivals)
+            _wait_for(counter, arrivals, self._node.Iprobe)
         self._win.Sync()
 
     def free(self):
@@ -140,16 +142,19 @@ class SharedArena:
             self._win = self._node = None
 
 
-def _wait_for(counter, value):
-    """Spin until ``counter[0]`` reaches ``value``; then yield between polls."""
+def _wait_for(counter, value, progress):
+    """Spin until ``counter[0]`` reaches ``value``; then yield between polls, calling ``progress()``."""
     for _ in range(_SPINS):
         if counter[0] >= value:
             return
     # A peer this late is busy or descheduled. Yielding gives up the core
     # (which, with more ranks than cores, the peer may need) and the GIL
     # (which the thread computing backward beside the reducer's needs).
+    # ``progress`` (an Iprobe) lets MPI move anything a peer waits on from
+    # us, as its own barrier would.
     while counter[0] < value:
         os.sched_yield()
+        progress()
 
 
 def piece_bounds(bounds, owner, k, piece):

@@ -279,10 +279,11 @@ def _print_header(size, suite, copy, small, ring, row):
     print(f"# ringtrain bench allreduce --device {suite.device}: {size} rank(s), float32 sum, "
           "busbw = algbw * 2(N-1)/N")
     if suite.device == "cpu":
-        how = (f"auto = doubling up to {_size(small)}, then shared memory up to {_size(WINDOW_BYTES)} on one host "
-               f"(else MPI Allreduce below {_size(ring)}), ring from there")
+        how = (f"auto, on one host: the shared-memory board up to {_size(small)}, the window up to "
+               f"{_size(WINDOW_BYTES)}, the ring from there (across hosts: doubling, MPI Allreduce, the ring)")
     else:
-        how = f"auto = doubling (host-staged) up to {_size(small)}, then CUDA IPC on one host; staged = MPI via host"
+        how = (f"auto = the board (host-staged) up to {_size(small)}, then CUDA IPC on one host; "
+               "staged = MPI via host")
     print(f"# {suite.copy_label}, this run: {copy / 1e9:.2f} GB/s; {how}")
     print("# " + " | ".join([f"{'size':>6} {'count':>10}"] + [f"{n + ' us':>9} {'busbw':>6}" for n in names]
                             + [" ".join(f"{label:>9}" for label, _ in row["ratios"].items())]))

@@ -14,6 +14,7 @@ from references import close, data, reference, same_everywhere
 from ringtrain import backend
 from ringtrain.comm import allreduce, allreduce_, allreduce_many_, broadcast_
 from ringtrain.comm.policy import SMALL_BYTES
+from ringtrain.comm.board import Board
 from ringtrain.comm.state import CommState, release
 from ringtrain.errors import MismatchError, UsageError
 
@@ -216,8 +217,11 @@ def test_shared_memory_in_blocks_matches_mpi(dtype):
 def header_comm(request):
     """A duplicate of the world whose header exchange goes through the shared-memory board or by messages."""
     dup = comm.Dup()
+    state = CommState.of(dup)
     if request.param == "messages":
-        CommState.of(dup).exchange_by_messages()
+        state.exchange_by_messages()
+    board = state.board()
+    assert isinstance(board, Board) if request.param == "board" else board is None
     yield dup
     release(dup)
 
@@ -250,6 +254,45 @@ def test_mismatches_raise_either_way(header_comm):
     assert all(m is not None for m in messages), messages
     assert "10 elements and 11 elements" in messages[0] and "float32 and float64" in messages[1]
     assert "10 elements and 100000 elements" in messages[2]
+    assert np.array_equal(after, np.full(5, float(size)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_and_lists_either_way(header_comm):
+    x = data(1009, np.float64, seed=8)
+    want = header_comm.bcast(x.copy(), root=size - 1)
+    broadcast_(x, root=size - 1, comm=header_comm)
+    arrays = [data(n, np.float32, seed=9 + n) for n in (3, 1000, SMALL_BYTES)]
+    wants = [reference(a, "sum", on=header_comm) for a in arrays]
+    allreduce_many_(arrays, "sum", header_comm)
+    wrong_root = _usage_error(lambda: broadcast_(np.ones(3), root=0 if rank else 1, comm=header_comm))
+    assert np.array_equal(x, want)
+    assert all(close(a, w, np.float32) for a, w in zip(arrays, wants))
+    assert wrong_root is not None
+
+
+def _usage_error(call):
+    """Run ``call`` expecting UsageError on every rank; return its message."""
+    try:
+        call()
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_arguments_that_cannot_be_sent_are_refused_everywhere():
+    # Values the header cannot carry (an unhashable op, a root past int64)
+    # must become a problem code, not an error on one rank that strands the rest.
+    odd = rank == size - 1
+    messages = [
+        _usage_error(lambda: allreduce_(np.ones(4), ["sum"] if odd else "sum", comm)),
+        _usage_error(lambda: allreduce(np.ones(100_000), "sum", comm, algorithm={} if odd else "auto")),
+        _usage_error(lambda: broadcast_(np.ones(4), root=2 ** 70 if odd else 0, comm=comm)),
+    ]
+    after = allreduce(np.ones(5), "sum", comm)
+    assert all(m is not None for m in messages), messages
+    assert "unknown op" in messages[0] or "could not take part" in messages[0]
     assert np.array_equal(after, np.full(5, float(size)))
 
 
