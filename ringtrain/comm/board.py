@@ -58,7 +58,7 @@ class Board:
 
     def payload(self, dtype, count):
         """This rank's payload view for the next :meth:`exchange`: fill it, then call exchange."""
-        return self._views(self._calls % 2, dtype, count)[self.rank]
+        return self.views(self.next_half(), dtype, count)[self.rank]
 
     def plan(self, who, header, packed, dtype, shape, op):
         """A :class:`BoardPlan` replaying a small call of this header (see :func:`ringtrain.comm.pair.small_plan`)."""
@@ -78,17 +78,25 @@ class Board:
             None when every rank posted the same header, else ``(lowest,
             highest)`` field values over all ranks.
         """
-        half = self._post(np.frombuffer(packed, np.uint8))
-        if not all(header.tobytes() == packed for header in self._headers[half]):
-            return self._verdict(half)
+        half = self.post(np.frombuffer(packed, np.uint8))
+        if not self.agreed(half, packed):
+            return self.verdict(half)
         if has_payload:
-            everyone = self._views(half, out.dtype, out.size)
+            everyone = self.views(half, out.dtype, out.size)
             combine(everyone[0], everyone[1], out=out)
             for theirs in everyone[2:]:
                 combine(out, theirs, out=out)
         return None
 
-    def _post(self, packed):
+    def next_half(self):
+        """The half of every slot the next call uses."""
+        return self._calls % 2
+
+    def agreed(self, half, packed):
+        """Whether every rank posted ``packed`` (bytes) in ``half``."""
+        return all(header.tobytes() == packed for header in self._headers[half])
+
+    def post(self, packed):
         """Write this rank's header in this call's half, pass the barrier; return the half."""
         half = self._calls % 2
         self._calls += 1
@@ -101,7 +109,8 @@ class Board:
         self._payloads.clear()
         self.arena.free()
 
-    def _views(self, half, dtype, count):
+    def views(self, half, dtype, count):
+        """Every rank's payload of ``count`` elements of ``dtype`` in ``half``, in rank order (cached)."""
         key = (half, dtype, count)
         views = self._payloads.get(key)
         if views is None:
@@ -111,7 +120,8 @@ class Board:
             views = self._payloads[key] = [region[:nbytes].view(dtype) for region in self._payload_bytes[half]]
         return views
 
-    def _verdict(self, half):
+    def verdict(self, half):
+        """``(lowest, highest)`` of every header field posted in ``half``."""
         lowest = np.minimum.reduce(self._header_values[half]).tolist()
         return lowest[:NFIELDS], [-v for v in lowest[NFIELDS:]]
 
@@ -134,7 +144,7 @@ class BoardPlan:
         self.board, self.who, self.header = board, who, header
         self.packed_bytes = packed
         self.packed = np.frombuffer(packed, np.uint8)
-        self.everyone = [[view.reshape(shape) for view in board._views(half, dtype, header[3])] for half in (0, 1)]
+        self.everyone = [[view.reshape(shape) for view in board.views(half, dtype, header[3])] for half in (0, 1)]
         self.mine = [views[board.rank] for views in self.everyone]
         combine = COMBINE[op]
         if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
@@ -151,16 +161,14 @@ class BoardPlan:
     def run(self, x):
         """Reduce ``x`` (a NumPy array of the planned dtype and shape) in place; return it."""
         board = self.board
-        half = board._calls % 2
+        half = board.next_half()
         mine = self.mine[half]
         mine[...] = x
         if self.predivide:
             np.divide(mine, self.size, mine)
-        board._post(self.packed)
-        packed = self.packed_bytes
-        for header in board._headers[half]:
-            if header.tobytes() != packed:
-                raise_mismatch(self.who, self.header, board._verdict(half), None)
+        board.post(self.packed)
+        if not board.agreed(half, self.packed_bytes):
+            raise_mismatch(self.who, self.header, board.verdict(half), None)
         everyone, combine = self.everyone[half], self.combine
         combine(everyone[0], everyone[1], x)
         for theirs in everyone[2:]:
