@@ -23,11 +23,9 @@ earlier, before the barrier of the call in between, which every rank has
 since passed.
 """
 
-import functools
-
 import numpy as np
 
-from .header import COMBINE, HEADER_BYTES, NFIELDS, raise_mismatch
+from .header import HEADER_BYTES, NFIELDS, combine_for, raise_mismatch
 from .policy import SMALL_BYTES
 from .window import SharedArena
 
@@ -146,13 +144,7 @@ class BoardPlan:
         self.packed = np.frombuffer(packed, np.uint8)
         self.everyone = [[view.reshape(shape) for view in board.views(half, dtype, header[3])] for half in (0, 1)]
         self.mine = [views[board.rank] for views in self.everyone]
-        combine = COMBINE[op]
-        if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
-            combine = functools.partial(_combine_out, combine)
-        self.combine = combine
-        # float16 sums overflow easily: divide first, as reduce_flat does.
-        self.predivide = op == "mean" and dtype == np.float16
-        self.divide_after = op == "mean" and not self.predivide
+        self.combine, self.predivide, self.divide_after = combine_for(op, dtype)
         self.size = dtype.type(board.size)  # a scalar of x's dtype: no conversion per call
 
     def free(self):
@@ -176,7 +168,3 @@ class BoardPlan:
         if self.divide_after:
             np.divide(x, self.size, x)
         return x
-
-
-def _combine_out(combine, a, b, out):
-    return combine(a, b, out=out)

@@ -28,6 +28,7 @@ when every rank shares one host.
 """
 
 import enum
+import functools
 import struct
 
 import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "Problem",
     "raise_mismatch",
     "code_of",
+    "combine_for",
     "check_local",
     "exchange",
 ]
@@ -162,6 +164,26 @@ def raise_mismatch(who, header, verdict, local_problem):
             raise MismatchError(f"{who}: ranks passed {what}; every rank must make the same calls, "
                                 "with matching arrays, in the same order")
     raise MismatchError(f"{who}: ranks disagree on the call")  # pragma: no cover - unreachable
+
+
+def combine_for(op, dtype):
+    """``(combine, predivide, divide_after)`` for a replayed small call of ``op`` on ``dtype`` (pure).
+
+    ``combine(a, b, out)`` takes ``out`` positionally: a keyword costs about
+    0.3 us a call, and NumPy deprecates a positional ``out`` for minimum
+    and maximum, so those are wrapped. float16 means divide first (sums
+    overflow easily), as :func:`ringtrain.comm.collectives.reduce_flat`
+    does; wider floats divide last, which is more accurate.
+    """
+    combine = COMBINE[op]
+    if combine is not np.add:
+        combine = functools.partial(_combine_out, combine)
+    predivide = op == "mean" and np.dtype(dtype) == np.float16
+    return combine, predivide, op == "mean" and not predivide
+
+
+def _combine_out(combine, a, b, out):
+    return combine(a, b, out=out)
 
 
 def code_of(table, name):

@@ -9,11 +9,10 @@ on the communicator's :class:`~ringtrain.comm.state.CommState` and freed
 with it.
 """
 
-import functools
-
 import numpy as np
 
-from .header import ALGORITHM_CODE, COMBINE, DTYPE_CODE, HEADER, HEADER_BYTES, NFIELDS, OP_CODE, TAG, raise_mismatch
+from .header import (ALGORITHM_CODE, DTYPE_CODE, HEADER, HEADER_BYTES, NFIELDS, OP_CODE, TAG, combine_for,
+                     raise_mismatch)
 from .policy import SMALL_BYTES
 
 __all__ = ["PairPlan", "small_plan"]
@@ -68,13 +67,7 @@ class PairPlan:
         comm = state.comm
         self.requests = [comm.Recv_init(self.heard, self.peer, TAG), comm.Send_init(self.message, self.peer, TAG)]
         self.startall, self.waitall = state.MPI.Prequest.Startall, state.MPI.Request.Waitall
-        combine = COMBINE[op]
-        if combine is not np.add:  # NumPy deprecates a positional out= for minimum and maximum
-            combine = functools.partial(_combine_out, combine)
-        self.combine = combine
-        # float16 sums overflow easily: divide first, as reduce_flat does.
-        self.predivide = op == "mean" and dtype == np.float16
-        self.divide_after = op == "mean" and not self.predivide
+        self.combine, self.predivide, self.divide_after = combine_for(op, dtype)
         self.two = dtype.type(2)  # the rank count as a scalar of x's dtype: no conversion per call
         assert count == self.payload.size
 
@@ -103,10 +96,6 @@ class PairPlan:
         if self.divide_after:
             np.divide(x, self.two, x)
         return x
-
-
-def _combine_out(combine, a, b, out):
-    return combine(a, b, out=out)
 
 
 def small_plan(state, who, x, op, algorithm, narrays=1, signature=0):
