@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from .model_base import FlatModel, evaluate_in_chunks, xent_in_place
+from .model_base import FlatModel, dense_init, evaluate_in_chunks, xent_in_place
 
 __all__ = ["CNN"]
 
@@ -140,16 +140,7 @@ class CNN(FlatModel):
             std = np.sqrt(2.0 / (kernel * kernel * c))
             host[f"conv{i + 1}.weight"] = rng.standard_normal((kernel, kernel, c, f)) * std
             host[f"conv{i + 1}.bias"] = np.zeros(f)
-        last = len(self.dense_sizes) - 2
-        for i, (fan_in, fan_out) in enumerate(zip(self.dense_sizes, self.dense_sizes[1:])):
-            # He init for layers feeding a ReLU; LeCun (std 1/sqrt(fan_in)) for the logits.
-            std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
-            host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
-            host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
-        self._init_flat({name: a.shape for name, a in host.items()}, xp, self.dtype)
-        for name, a in host.items():
-            # Drawn on the host in float64, then cast and moved, so CPU and GPU runs start identical.
-            self.params[name][...] = xp.asarray(a.astype(self.dtype))
+        self._init_from_host(dense_init(rng, self.dense_sizes, host), xp, self.dtype)
         self._buffers = {}
 
     def __repr__(self):

@@ -125,6 +125,16 @@ class FlatModel(Model):
     grads = None
     _layout = None
 
+    def _init_from_host(self, host, xp, dtype):
+        """Lay out the flat buffers for ``host`` (name -> float64 NumPy array) and copy the values in.
+
+        Drawn on the host in float64, then cast and moved, so CPU and GPU
+        runs start identical.
+        """
+        self._init_flat({name: a.shape for name, a in host.items()}, xp, dtype)
+        for name, a in host.items():
+            self.params[name][...] = xp.asarray(a.astype(dtype))
+
     def _init_flat(self, shapes, xp, dtype):
         """Make zeroed ``param_buffer``/``grad_buffer`` and the ``params``/``grads`` views for ``shapes``."""
         self._layout = FlatLayout.from_shapes(shapes, list(reversed(shapes)))
@@ -174,6 +184,20 @@ class FlatModel(Model):
         self.param_buffer, self.grad_buffer = param_buffer, grad_buffer
         self.params.update(self._layout.views(param_buffer, shapes))
         self.grads.update(self._layout.views(grad_buffer, shapes))
+
+
+def dense_init(rng, sizes, host):
+    """Add ``fc1`` ... weights and zero biases for layer ``sizes`` to ``host``, drawn from ``rng``.
+
+    He init for layers feeding a ReLU; LeCun (std 1/sqrt(fan_in)) for the
+    last, the logits.
+    """
+    last = len(sizes) - 2
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
+        std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
+        host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
+        host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
+    return host
 
 
 def flat_layout(model):

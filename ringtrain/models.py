@@ -38,7 +38,7 @@ import operator
 import numpy as np
 
 from .cnn import CNN
-from .model_base import (FlatModel, Model, evaluate_in_chunks, flat_layout, softmax_cross_entropy,
+from .model_base import (FlatModel, Model, dense_init, evaluate_in_chunks, flat_layout, softmax_cross_entropy,
                          xent_in_place)
 
 __all__ = [
@@ -78,17 +78,7 @@ class MLP(FlatModel):
         self.dtype = np.dtype(dtype)
         self.xp = xp
         rng = np.random.default_rng(seed)
-        host = {}
-        last = len(self.sizes) - 2
-        for i, (fan_in, fan_out) in enumerate(zip(self.sizes, self.sizes[1:])):
-            # He init for layers feeding a ReLU; LeCun (std 1/sqrt(fan_in)) for the logits.
-            std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
-            host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
-            host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
-        self._init_flat({name: a.shape for name, a in host.items()}, xp, self.dtype)
-        for name, a in host.items():
-            # Drawn on the host in float64, then cast and moved, so CPU and GPU runs start identical.
-            self.params[name][...] = xp.asarray(a.astype(self.dtype))
+        self._init_from_host(dense_init(rng, self.sizes, {}), xp, self.dtype)
         self._buffers = {}
 
     def __repr__(self):
