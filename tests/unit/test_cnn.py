@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from gradients import finite_difference_check
 
 from ringtrain import backend
 from ringtrain.cnn import CNN
@@ -29,23 +30,6 @@ def tiny(name, xp=np, seed=3, dtype=np.float64):
 def images(shape, rows=5, classes=4, seed=1, xp=np):
     rng = np.random.default_rng(seed)
     return xp.asarray(rng.standard_normal((rows, *shape))), xp.asarray(rng.integers(0, classes, rows))
-
-
-def finite_difference_check(model, x, y, eps=1e-6):
-    _, grads, _ = model.loss_and_grad(x, y)
-    grads = {k: backend.to_numpy(g).copy() for k, g in grads.items()}
-    for name, p in model.params.items():
-        numeric = np.zeros(p.shape)
-        flat = p.reshape(-1)  # a view: perturbing it perturbs the model
-        for j in range(flat.size):
-            old = float(flat[j])
-            flat[j] = old + eps
-            up = model.loss_and_grad(x, y)[0]
-            flat[j] = old - eps
-            down = model.loss_and_grad(x, y)[0]
-            flat[j] = old
-            numeric.reshape(-1)[j] = (up - down) / (2 * eps)
-        np.testing.assert_allclose(grads[name], numeric, rtol=1e-5, atol=1e-8, err_msg=name)
 
 
 def reference_loss(model, x, y):

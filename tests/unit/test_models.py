@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from gradients import finite_difference_check
 
 from ringtrain import backend
 from ringtrain.models import MODELS, Model, build_model, register_model, softmax_cross_entropy
@@ -33,29 +34,12 @@ def reference_loss(params, x, y):
     return float(-np.mean(np.log(p[np.arange(len(y)), y]))), int(np.sum(h.argmax(axis=1) == y))
 
 
-def finite_difference_check(model, x, y, xp, eps=1e-6):
-    _, grads, _ = model.loss_and_grad(x, y)
-    grads = {k: backend.to_numpy(g).copy() for k, g in grads.items()}
-    for name, p in model.params.items():
-        numeric = np.zeros(p.shape)
-        flat = p.reshape(-1)  # a view: perturbing it perturbs the model
-        for j in range(flat.size):
-            old = float(flat[j])
-            flat[j] = old + eps
-            up = model.loss_and_grad(x, y)[0]
-            flat[j] = old - eps
-            down = model.loss_and_grad(x, y)[0]
-            flat[j] = old
-            numeric.reshape(-1)[j] = (up - down) / (2 * eps)
-        np.testing.assert_allclose(grads[name], numeric, rtol=1e-5, atol=1e-8, err_msg=name)
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gradients_match_central_finite_differences(shape):
     name, hidden = SHAPES[shape]
     model = build_model(name, 7, 4, hidden=hidden, seed=3, dtype=np.float64)
     x, y = batch()
-    finite_difference_check(model, x, y, np)
+    finite_difference_check(model, x, y)
 
 
 @pytest.mark.gpu
@@ -65,7 +49,7 @@ def test_gradients_match_finite_differences_on_gpu():
     xp = backend.xp_for("gpu")
     model = build_model("mlp", 7, 4, hidden=(6, 5), xp=xp, seed=3, dtype=np.float64)
     x, y = batch(xp=xp)
-    finite_difference_check(model, x, y, xp)
+    finite_difference_check(model, x, y)
     cpu = build_model("mlp", 7, 4, hidden=(6, 5), seed=3, dtype=np.float64)
     for k in cpu.params:  # built on the host, so the GPU starts from the same values
         np.testing.assert_array_equal(backend.to_numpy(model.params[k]), cpu.params[k])
