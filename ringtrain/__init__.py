@@ -59,7 +59,7 @@ def __getattr__(name):
     import importlib
 
     if name == "interop":
-        return importlib.import_module(".interop", __name__)
+        return importlib.import_module(".torch.interop", __name__)
     if name == "TorchModel":
-        return importlib.import_module(".torch_model", __name__).TorchModel
+        return importlib.import_module(".torch.model", __name__).TorchModel
     raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

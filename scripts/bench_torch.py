@@ -27,7 +27,7 @@ Contestants:
   zero-copy NumPy views of the CPU tensors (one flat buffer,
   :func:`ringtrain.interop.bucket_view_`).
 * ``ringtrain-adapter``: the same torch model through
-  :class:`ringtrain.torch_model.TorchModel`, stepped by the trainer's own
+  :class:`ringtrain.torch.TorchModel`, stepped by the trainer's own
   strategy object (:func:`ringtrain.training.strategy.choose_strategy`, as
   ``ringtrain.train`` chooses it: the sharded optimizer step over the
   shared-memory window at 2+ ranks), with ringtrain's optimizer.
@@ -148,7 +148,7 @@ def _steps(contestant, kind, comm, data):
 
     torch.set_num_threads(1)
     if contestant == "ringtrain-adapter":
-        from ringtrain.torch_model import TorchModel
+        from ringtrain.torch import TorchModel
 
         shape = data.image_shape if kind == "cnn" else None
         return _ringtrain_steps(TorchModel(_torch_model(kind), input_shape=shape), comm, data)
@@ -181,7 +181,7 @@ def _steps(contestant, kind, comm, data):
         plain_opt = torch.optim.SGD(local.parameters(), lr=LR, momentum=MOMENTUM)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     if contestant == "ringtrain-torch":
-        from ringtrain.interop import average_gradients_, broadcast_parameters_, bucket_view_
+        from ringtrain.torch.interop import average_gradients_, broadcast_parameters_, bucket_view_
 
         broadcast_parameters_(model, comm=comm)
         bucket_view_(model)

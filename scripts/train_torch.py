@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import ringtrain
-from ringtrain.torch_model import TorchModel
+from ringtrain.torch import TorchModel
 
 
 def cnn(channels=(16, 32), kernel=5, hidden=128, classes=10, side=28):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.interop import average_gradients_, broadcast_parameters_, bucket_view_
+from ringtrain.torch.interop import average_gradients_, broadcast_parameters_, bucket_view_
 
 try:
     import torch

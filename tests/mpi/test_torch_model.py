@@ -19,7 +19,7 @@ from ringtrain.training.replicas import params_digest
 try:
     import torch
 
-    from ringtrain.torch_model import TorchModel
+    from ringtrain.torch import TorchModel
 except ImportError:  # collected and skipped, so the suite still sees this file's tests
     torch = None
 

@@ -14,7 +14,7 @@ from ringtrain.models import flat_layout
 from ringtrain.optim import build_optimizer
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
-from ringtrain.torch_model import TorchModel  # noqa: E402 - after the skip
+from ringtrain.torch import TorchModel  # noqa: E402 - after the skip
 
 SHAPE = (1, 8, 8)
 

@@ -24,7 +24,7 @@ from ringtrain.cli import build_parser
 from ringtrain.commands.train import config_from_args
 from ringtrain.errors import UsageError
 from ringtrain.failure import abort_on_error
-from ringtrain.torch_model import TorchModel
+from ringtrain.torch import TorchModel
 from ringtrain.training.replicas import params_digest
 
 

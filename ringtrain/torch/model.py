@@ -50,9 +50,9 @@ import math
 
 import numpy as np
 
-from . import backend
+from .. import backend
 from .interop import as_array, as_tensor
-from .models import FlatModel
+from ..models import FlatModel
 
 __all__ = ["TorchModel"]
 

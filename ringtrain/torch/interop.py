@@ -4,7 +4,7 @@
 ringtrain's collectives can reduce the gradients where PyTorch keeps them.
 :func:`as_array` and :func:`as_tensor` are the two directions of that view
 (NumPy for CPU tensors; CuPy through DLPack for CUDA tensors), which
-:class:`ringtrain.torch_model.TorchModel` builds on to train any module
+:class:`ringtrain.torch.TorchModel` builds on to train any module
 through the trainer. torch is optional: it is imported only by the
 functions that need it.
 
@@ -30,9 +30,9 @@ Example (five calls, as in Horovod's examples)::
 
 import numpy as np
 
-from . import backend
-from .comm import allreduce_, allreduce_many_, broadcast_
-from .flat import contiguous_span
+from .. import backend
+from ..comm import allreduce_, allreduce_many_, broadcast_
+from ..flat import contiguous_span
 
 __all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays", "as_array",
            "as_tensor"]
