@@ -6,14 +6,14 @@ The public API; see README.md for the commands.
 __version__ = "0.1.0"
 
 from .comm import allreduce, allreduce_, allreduce_many_, broadcast_
-from .checkpoint import CheckpointError, load_checkpoint
-from .sharding import EpochPlan, shard_bounds
-from .datasets import Shard, load_sharded
+from .io.checkpoint import CheckpointError, load_checkpoint
+from .data.sharding import EpochPlan, shard_bounds
+from .data.load import Shard, load_sharded
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
-from .models import FlatModel, Model, build_model, flat_layout, register_model
+from .models.registry import FlatModel, Model, build_model, flat_layout, register_model
 from .optim import build_optimizer, learning_rate, scaled_lr
-from .topology import TaskSpec
+from .cluster.topology import TaskSpec
 from .training import EvalTotals, ShardedStep, TrainConfig, TrainResult, reduce_eval, sum_eval, train
 
 __all__ = [

@@ -32,6 +32,8 @@ __all__ = [
     "rank_order_kernel",
     "from_dlpack",
     "kernel_cache_cold",
+    "address",
+    "contiguous_span",
 ]
 
 
@@ -190,3 +192,41 @@ def kernel_cache_cold():
         return not any(os.scandir(directory))
     except OSError:
         return True
+
+
+def address(a):
+    """The data address of a NumPy or CuPy array (CuPy through ``__cuda_array_interface__``)."""
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return interface["data"][0]
+
+
+def contiguous_span(arrays, within=None):
+    """A 1-D view over ``arrays`` when they tile one allocation back to back, else None.
+
+    The arrays must be C-contiguous, of one dtype, each starting where the
+    previous one ends, all inside one writeable base array: ``within`` if
+    given (a 1-D array over the whole allocation, e.g. a torch storage),
+    else the base of the first array. Being adjacent is not enough: two
+    separate allocations can sit side by side, so the whole span must lie
+    inside that one base.
+    """
+    kind = np.ndarray if within is None else type(within)  # CuPy arrays, over a torch CUDA storage
+    if not arrays or any(type(a) is not kind for a in arrays):
+        return None
+    first = arrays[0]
+    base = within
+    if base is None:
+        base = first
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+    if not (base.flags.c_contiguous and getattr(base.flags, "writeable", True)):
+        return None
+    start = end = address(first)
+    for a in arrays:
+        if not a.flags.c_contiguous or a.dtype != first.dtype or address(a) != end:
+            return None
+        end += a.nbytes
+    lo, hi = start - address(base), end - address(base)
+    if lo < 0 or hi > base.nbytes:
+        return None
+    return base.reshape(-1).view(np.uint8)[lo:hi].view(first.dtype)

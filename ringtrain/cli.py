@@ -128,7 +128,7 @@ def _rank0():
     # Without importing MPI: argument errors may happen before MPI is needed.
     import os
 
-    from .launch import rank_from_env
+    from .cluster.launch import rank_from_env
 
     return rank_from_env(os.environ) in (None, 0)
 

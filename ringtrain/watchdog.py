@@ -116,7 +116,7 @@ class WatchedComm:
     """``comm`` with each of its collectives under ``dog``, for code that makes collectives of its own.
 
     Start-up hands this to functions such as
-    :func:`ringtrain.datasets.load_sharded` that take a communicator and talk
+    :func:`ringtrain.data.load.load_sharded` that take a communicator and talk
     through it between stretches of local work (reading files). Only the time
     spent inside a collective is watched, never the reading: a rank that
     stalls in its own work arms nothing and prints nothing, while every rank

@@ -32,7 +32,7 @@ CHANNELS, KERNEL, HIDDEN = (16, 32), 5, (128,)
 
 
 def _ringtrain_step(x, y):
-    from ringtrain.models import build_model
+    from ringtrain.models.registry import build_model
     from ringtrain.optim import build_optimizer
 
     model = build_model("cnn", x.shape[1], 10, hidden=HIDDEN, seed=0, input_shape=(1, 28, 28),
@@ -93,7 +93,7 @@ def main(argv=None):
     from threadpoolctl import threadpool_limits
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     threadpool_limits(args.threads)
     data = load_sharded("mnist5k", MPI.COMM_SELF, seed=0)

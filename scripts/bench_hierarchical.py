@@ -26,8 +26,8 @@ from mpi4py import MPI
 
 from ringtrain.comm import allreduce_
 from ringtrain.commands.bench import parse_bytes
-from ringtrain.comm.hierarchical import Hierarchy
-from ringtrain.topology import TaskSpec
+from ringtrain.comm.transports.hierarchical import Hierarchy
+from ringtrain.cluster.topology import TaskSpec
 
 CONTESTANTS = ("ring", "hierarchical", "mpi")
 

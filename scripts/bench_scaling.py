@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from ringtrain.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
+from ringtrain.cluster.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
 
 WORKLOAD = ["--dataset", "mnist5k", "--model", "mlp", "--hidden", "512,512", "--batch-size", "64"]
 

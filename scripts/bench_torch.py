@@ -5,7 +5,7 @@
     python scripts/bench_torch.py --repeats 5 --ranks 1,2 --only ddp-gloo,ringtrain-adapter
 
 The models (``--model``), trained on ``mnist5k`` from
-:func:`ringtrain.datasets.load_sharded` (the same shards for everyone), batch
+:func:`ringtrain.data.load.load_sharded` (the same shards for everyone), batch
 64 per rank, SGD with momentum, one thread per rank
 (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``):
 
@@ -103,7 +103,7 @@ def _ringtrain_steps(model, comm, data):
     import numpy as np
 
     from ringtrain import TrainConfig, broadcast_, build_optimizer
-    from ringtrain.models import flat_layout
+    from ringtrain.models.registry import flat_layout
     from ringtrain.training.strategy import VERDICTS, Phases, ShardedUpdate, Slot, choose_strategy
     from ringtrain.training.timeline import Timeline
     from ringtrain.watchdog import Watchdog, left_neighbour
@@ -223,8 +223,8 @@ def _free_port():
 def worker(contestant, kind, blocks):
     from mpi4py import MPI
 
-    from ringtrain.sharding import EpochPlan
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.sharding import EpochPlan
+    from ringtrain.data.load import load_sharded
 
     comm = MPI.COMM_WORLD
     data = load_sharded("mnist5k", comm, seed=0)
@@ -263,7 +263,7 @@ def _available(contestant):
 
 
 def launch(contestant, kind, ranks, blocks):
-    from ringtrain.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
+    from ringtrain.cluster.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
 
     env = mpi_env(detect_flavour(find_mpirun()))
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")

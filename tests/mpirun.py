@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from ringtrain.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
+from ringtrain.cluster.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -25,8 +25,8 @@ import shutil
 import subprocess
 import sys
 
-from ringtrain.launch import find_mpirun
-from ringtrain.hostfiles import format_hostfile, Host
+from ringtrain.cluster.launch import find_mpirun
+from ringtrain.cluster.hostfiles import format_hostfile, Host
 
 from mpirun import ROOT, run, test_env
 

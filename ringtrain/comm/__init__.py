@@ -6,16 +6,16 @@ How the pieces fit:
   public collectives (``allreduce``, ``allreduce_``, ``allreduce_many_``,
   ``broadcast_``). Every call starts with a header exchange
   (:mod:`~ringtrain.comm.header`), so ranks that disagree raise instead of
-  hanging; small calls carry their data in it (:mod:`~ringtrain.comm.pair`
+  hanging; small calls carry their data in it (:mod:`~ringtrain.comm.plans`
   replays them at 2 ranks).
 * :mod:`~ringtrain.comm.policy`: which transport serves a buffer, every
   threshold in one place.
-* :mod:`~ringtrain.comm.base` and :mod:`~ringtrain.comm.transports`: the
+* :mod:`~ringtrain.comm.transports.base` and :mod:`~ringtrain.comm.transports`: the
   transport interface (reduce-scatter, allgather, allreduce) and its
-  registry; one module per transport: :mod:`~ringtrain.comm.window` (shared
-  memory on one host), :mod:`~ringtrain.comm.ring` (the pipelined ring),
-  :mod:`~ringtrain.comm.mpi` (MPI's own collectives),
-  :mod:`~ringtrain.comm.hierarchical` (within hosts, then across).
+  registry; one module per transport: :mod:`~ringtrain.comm.transports.shm` (shared
+  memory on one host), :mod:`~ringtrain.comm.transports.ring` (the pipelined ring),
+  :mod:`~ringtrain.comm.transports.mpi` (MPI's own collectives),
+  :mod:`~ringtrain.comm.transports.hierarchical` (within hosts, then across).
 * :mod:`~ringtrain.comm.reducer`: buckets reduced on a thread while backward
   runs; :mod:`~ringtrain.comm.state`: what is cached on each communicator;
   :mod:`~ringtrain.comm.schedule`: the pure index maths.

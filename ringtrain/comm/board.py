@@ -14,7 +14,7 @@ header, and everyone raises.
 
 The payloads are combined in rank order (rank 0's, then rank 1's, ...), as
 the shared-memory window combines large buffers
-(:mod:`ringtrain.comm.window`), so on one host a small call gives bitwise
+(:mod:`ringtrain.comm.transports.shm`), so on one host a small call gives bitwise
 the same result as a large one cut to the same values, at any rank count.
 
 Consecutive calls alternate between the two halves of each slot, so no
@@ -27,7 +27,7 @@ import numpy as np
 
 from .header import HEADER_BYTES, NFIELDS, combine_for, raise_mismatch
 from .policy import SMALL_BYTES
-from .window import SharedArena
+from .arena import SharedArena
 
 __all__ = ["Board", "BoardPlan"]
 
@@ -59,7 +59,7 @@ class Board:
         return self.views(self.next_half(), dtype, count)[self.rank]
 
     def plan(self, who, header, packed, dtype, shape, op):
-        """A :class:`BoardPlan` replaying a small call of this header (see :func:`ringtrain.comm.pair.small_plan`)."""
+        """A :class:`BoardPlan` replaying a small call of this header (see :func:`ringtrain.comm.plans.small_plan`)."""
         return BoardPlan(self, who, header, packed, dtype, shape, op)
 
     def exchange(self, packed, has_payload, combine, out):

@@ -18,7 +18,7 @@ How a call runs:
   hosts they go by recursive doubling
   (:func:`ringtrain.comm.schedule.doubling_schedule`), the data in the
   header's message. A repeated NumPy call is replayed from a prepared plan
-  (:func:`ringtrain.comm.pair.small_plan`), so Python adds little. (MPI's
+  (:func:`ringtrain.comm.plans.small_plan`), so Python adds little. (MPI's
   ``Allreduce`` cannot carry the header: with mismatched counts its
   behaviour is undefined, so checking first would need a second
   collective, which doubles the time of a 4 KiB call.)
@@ -36,7 +36,7 @@ belong to the communicator: they are cached on it with MPI attribute caching
 so steady-state calls allocate nothing.
 
 CuPy arrays: the stream is synchronised before MPI touches a buffer. With a
-CUDA-aware MPI (:func:`ringtrain.comm.cuda.cuda_aware`), device buffers go to MPI directly;
+CUDA-aware MPI (:func:`ringtrain.comm.cuda_aware.cuda_aware`), device buffers go to MPI directly;
 otherwise they are staged through reused pinned host buffers and reduced on
 the host.
 """
@@ -47,10 +47,10 @@ import numpy as np
 
 from .. import backend
 from ..errors import UsageError
-from .cuda import cuda_aware
+from .cuda_aware import cuda_aware
 from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, code_of,
                      exchange, raise_mismatch)
-from .pair import small_plan
+from .plans import small_plan
 from .policy import SMALL_BYTES
 from .state import state_of
 
@@ -183,7 +183,7 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
         comm: communicator (default ``MPI.COMM_WORLD``).
         algorithm: ``"auto"`` (by size), ``"ring"``, ``"mpi"`` (MPI's own
             ``Allreduce`` after the check) or ``"hierarchical"`` (within
-            hosts, then across them: :mod:`ringtrain.comm.hierarchical`).
+            hosts, then across them: :mod:`ringtrain.comm.transports.hierarchical`).
 
     Returns:
         ``x``, holding the result, bitwise the same on every rank.

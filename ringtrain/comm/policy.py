@@ -20,7 +20,7 @@ SMALL_BYTES = 64 << 10
 # rounds with two barriers each, and on a busy host one late rank stalls every
 # barrier; and even idle the ring is level from 8 MiB, because its large
 # messages MPICH copies once between processes. With the counter barrier
-# (ringtrain.comm.window.SharedArena.sync), idle, 2 ranks, median of 180
+# (ringtrain.comm.arena.SharedArena.sync), idle, 2 ranks, median of 180
 # calls: 4 MiB window 0.38 ms against the ring's 0.52; 8 MiB 1.2-1.5 against
 # 1.2-1.3; 16 MiB 3.4 against 2.8; 64 MiB 12.9 against 12.6. Both are at
 # this machine's memory-bandwidth floor there: the two ranks copying a

@@ -41,7 +41,7 @@ import numpy as np
 from .. import backend
 from ..errors import UsageError
 from ..failure import agree
-from ..flat import contiguous_span
+from ..backend import contiguous_span
 from .buckets import check_list, pack, plan_buckets, reduce_bucket, travels_as_fp16, unpack
 from .collectives import NO_PROBLEM
 from .state import CommState, release

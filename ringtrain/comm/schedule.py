@@ -1,7 +1,7 @@
 """The index maths of the collectives: chunks, the ring's steps, pipeline segments, recursive doubling.
 
-Pure: no MPI, tested on its own. The ring (:mod:`ringtrain.comm.ring`), the
-window (:mod:`ringtrain.comm.window`) and the header exchange
+Pure: no MPI, tested on its own. The ring (:mod:`ringtrain.comm.transports.ring`), the
+window (:mod:`ringtrain.comm.transports.shm`) and the header exchange
 (:mod:`ringtrain.comm.header`) follow these schedules.
 """
 

@@ -5,7 +5,7 @@ caching (:meth:`CommState.of`): the recursive-doubling schedule, the send
 and receive buffers of the header exchange (:func:`ringtrain.comm.header.exchange`), the transports made so far
 (:meth:`CommState.transport_for`), reused staging buffers (the fusion
 buffer, pinned host copies of GPU arrays) and the small-call plans of
-:mod:`ringtrain.comm.pair`. They grow to the largest size seen and are
+:mod:`ringtrain.comm.plans`. They grow to the largest size seen and are
 reused, so steady-state calls allocate nothing.
 
 The state lives and dies with its communicator: freeing the communicator
@@ -62,7 +62,7 @@ class CommState:
         # and buffer views are made once.
         self.packed = {}
         self._views = {}
-        # Steady-state plans for small CPU calls (ringtrain.comm.pair.small_plan),
+        # Steady-state plans for small CPU calls (ringtrain.comm.plans.small_plan),
         # keyed on everything the header says; None where no plan applies.
         self.plans = {}
         self.freeing_requests = False

@@ -1,6 +1,6 @@
 """``ringtrain info``: every rank's place in the job, printed once by rank 0."""
 
-from ..topology import TaskSpec
+from ..cluster.topology import TaskSpec
 
 HELP = "show every rank's host, local rank, node and device, the MPI library, and whether it is CUDA-aware"
 
@@ -28,7 +28,7 @@ def run(args):
 
     from mpi4py import MPI
 
-    from ..comm.cuda import cuda_aware
+    from ..comm.cuda_aware import cuda_aware
 
     comm = MPI.COMM_WORLD
     aware, why = cuda_aware()

@@ -13,7 +13,7 @@ returns the job's exit status::
 import argparse
 
 from ..errors import UsageError
-from ..launch import launch
+from ..cluster.launch import launch
 
 HELP = "start a job under mpirun from a hostfile or -H list, with per-rank logs"
 

@@ -28,7 +28,7 @@ import statistics
 import sys
 
 from ..errors import UsageError
-from ..safeio import GiB, MiB, one_line, read_regular
+from ..io.safeio import GiB, MiB, one_line, read_regular
 
 __all__ = ["read_metrics", "draw", "read_trace", "timeline_window", "draw_timeline", "describe_ranks"]
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import backend
 from ..comm import allreduce_, allreduce_many_, broadcast_
-from ..flat import contiguous_span
+from ..backend import contiguous_span
 
 __all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays", "as_array",
            "as_tensor"]

@@ -52,7 +52,7 @@ import numpy as np
 
 from .. import backend
 from .interop import as_array, as_tensor
-from ..models import FlatModel
+from ..models.registry import FlatModel
 
 __all__ = ["TorchModel"]
 

@@ -6,10 +6,10 @@
 * :mod:`~ringtrain.training.loop`: :func:`train`, the loop itself;
 * :mod:`~ringtrain.training.resume`, :mod:`~ringtrain.training.evaluate`,
   :mod:`~ringtrain.training.replicas`: start-up, evaluation, and the checks that replicas agree;
-* :mod:`~ringtrain.training.runlog`, :mod:`~ringtrain.training.meter`,
+* :mod:`~ringtrain.training.runlog`, :mod:`~ringtrain.training.metrics`,
   :mod:`~ringtrain.training.progress`, :mod:`~ringtrain.training.timeline`: what rank 0 writes and prints;
 * :mod:`~ringtrain.training.stopping`: a signal stops every rank at the same step, with a checkpoint;
-* :mod:`~ringtrain.training.standardize`: ``--standardize``'s exact global feature statistics.
+* :mod:`~ringtrain.data.standardize`: ``--standardize``'s exact global feature statistics.
 """
 
 from .config import TrainConfig

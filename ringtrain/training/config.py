@@ -14,8 +14,8 @@ import numpy as np
 
 from ..comm.policy import ALGORITHMS
 from ..errors import UsageError
-from ..models import MODELS
-from ..safeio import MiB, TiB, file_kind, human_bytes, one_line, os_reason, read_regular
+from ..models.registry import MODELS
+from ..io.safeio import MiB, TiB, file_kind, human_bytes, one_line, os_reason, read_regular
 
 __all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "MODEL_OPTIONS", "FIELDS", "LIMITS",
            "type_name", "flag_name", "parse_ints", "to_json", "RESUME_RULES", "resume_differences", "timeline_problem"]

@@ -8,7 +8,7 @@ import typing
 
 import numpy as np
 
-from ..sharding import eval_batches
+from ..data.sharding import eval_batches
 
 __all__ = ["EvalTotals", "sum_eval", "reduce_eval"]
 
@@ -68,7 +68,7 @@ def reduce_eval(model, shard, comm=None, *, xp=None, batch_size=4096):
     """Evaluate ``model`` on every rank's evaluation rows and sum the results.
 
     Collective: every rank of ``comm`` must call it at the same point. Each
-    rank evaluates its own rows in batches (:func:`ringtrain.sharding.eval_batches`,
+    rank evaluates its own rows in batches (:func:`ringtrain.data.sharding.eval_batches`,
     no padding, so nothing is counted twice), then one :func:`sum_eval`.
 
     Args:

@@ -25,24 +25,24 @@ import time
 import numpy as np
 
 from .. import backend
-from ..checkpoint import CheckpointError, list_checkpoints, save_checkpoint
-from ..datasets import load_sharded
+from ..io.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
+from ..data.load import load_sharded
 from ..errors import UsageError
 from ..failure import agree
-from ..models import build_model, flat_layout, takes_option
+from ..models.registry import build_model, flat_layout, takes_option
 from ..optim import build_optimizer, learning_rate, scaled_lr
-from ..safeio import os_reason
-from ..sharding import EpochPlan
-from ..topology import TaskSpec
+from ..io.safeio import os_reason
+from ..data.sharding import EpochPlan
+from ..cluster.topology import TaskSpec
 from ..watchdog import WatchedComm, Watchdog, left_neighbour
 from .config import MODEL_OPTIONS, TrainConfig, to_json, validate
 from .evaluate import reduce_eval
-from .meter import Meter, epoch_line
+from .metrics import Meter, epoch_line
 from .progress import Progress, choose_mode
 from .replicas import check_params_everywhere, check_same_params, check_same_settings
 from .resume import resume, write_lineage
 from .runlog import RunLog, default_run_dir
-from .standardize import scaling_arrays, standardize
+from ..data.standardize import scaling_arrays, standardize
 from .stopping import StopSignals
 from .strategy import VERDICTS, Phases, Slot, choose_strategy, stop_reason
 from .timeline import Timeline

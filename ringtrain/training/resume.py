@@ -1,6 +1,6 @@
 """Resuming a run: rank 0 finds and checks a checkpoint, every rank receives it.
 
-A checkpoint is a plain dict of arrays plus metadata (:mod:`ringtrain.checkpoint`).
+A checkpoint is a plain dict of arrays plus metadata (:mod:`ringtrain.io.checkpoint`).
 Only rank 0 reads the disk (on a cluster the run directory may be on its
 local disk alone); it broadcasts what it read, so every replica starts from
 the same bits, whether from a checkpoint or from rank 0's fresh parameters.
@@ -31,11 +31,11 @@ import os
 import uuid
 
 from .. import backend
-from ..checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint
+from ..io.checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
 from ..failure import agree
-from ..safeio import KiB, read_regular
+from ..io.safeio import KiB, read_regular
 from .config import flag_name, resume_differences
 
 __all__ = ["Position", "Lineage", "resume", "find_checkpoint", "read_lineage", "write_lineage", "LINEAGE_NAME"]

@@ -29,7 +29,7 @@ import sys
 import time
 
 from ..errors import UsageError
-from ..safeio import file_kind, one_line, os_reason
+from ..io.safeio import file_kind, one_line, os_reason
 
 __all__ = ["RunLog", "RunDirInUse", "default_run_dir", "write_json_atomic", "LOCK_NAME"]
 

@@ -22,7 +22,7 @@ A step (:class:`ShardedStep`) is three collective phases:
    the chunk in place with :meth:`ringtrain.optim.Optimizer.step_slice`,
    then allgather the updated parameter chunks.
 
-The phases are a transport's (:mod:`ringtrain.comm.base`), on a duplicate
+The phases are a transport's (:mod:`ringtrain.comm.transports.base`), on a duplicate
 of the communicator, chosen by the same size policy as the allreduce
 (:func:`ringtrain.comm.policy.choose_transport`). So the result is bitwise
 that of the allreduce under the same ``algorithm`` (``op="mean"``) followed
@@ -30,7 +30,7 @@ by ``Optimizer.step``, by construction: the allreduce is the same
 transport's reduce-scatter and allgather, and the update is elementwise
 (tested at 1 to 4 ranks). Over MPI's own collectives it is equal to
 rounding: MPI picks its order. On the shared-memory window the model's flat
-buffers move into the window (:meth:`ringtrain.comm.window.WindowTransport.share`),
+buffers move into the window (:meth:`ringtrain.comm.transports.shm.WindowTransport.share`),
 so the peers read gradients and parameters where backward and the update
 wrote them, with no copy. A transport without the two phases (the
 hierarchical one) keeps the allreduce.
@@ -45,11 +45,11 @@ trains, the time is what matters.
 import numpy as np
 
 from .. import backend
-from ..comm.cuda import cuda_aware
+from ..comm.cuda_aware import cuda_aware
 from ..comm.policy import SMALL_VALUES, choose_transport
 from ..comm.state import release, state_of
 from ..comm.transports import create_transport
-from ..models import flat_layout
+from ..models.registry import flat_layout
 
 __all__ = ["ShardedStep", "shardable"]
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from mpirun import ROOT, mpirun, ringtrain, run, show
-from ringtrain.launch import find_mpirun
+from ringtrain.cluster.launch import find_mpirun
 
 FAULTY = os.path.join(ROOT, "tests", "cli", "programs", "faulty_train.py")
 SMALL = ["--dataset", "synthetic", "--samples", "400", "--features", "8", "--classes", "3", "--hidden", "8",

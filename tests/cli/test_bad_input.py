@@ -15,7 +15,7 @@ import pytest
 from mpirun import mpirun, run
 from refusals import assert_refused
 from ringtrain import backend
-from ringtrain.checkpoint import save_checkpoint
+from ringtrain.io.checkpoint import save_checkpoint
 
 SMALL = ["--dataset", "synthetic", "--samples", "200", "--features", "4", "--classes", "3", "--hidden", "4",
          "--epochs", "1"]

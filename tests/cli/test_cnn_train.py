@@ -40,7 +40,7 @@ def initial_params(data):
     """The parameters the runs started from (built here as the trainer builds them)."""
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     shard = load_sharded(data, MPI.COMM_SELF)
     model = ringtrain.build_model("cnn", shard.num_features, shard.num_classes, hidden=(8,), seed=0,

@@ -18,8 +18,8 @@ import pytest
 
 import ringtrain
 from mpirun import ROOT, mpirun, ringtrain as rt, run, show
-from ringtrain.checkpoint import list_checkpoints, read_checkpoint
-from ringtrain.launch import find_mpirun
+from ringtrain.io.checkpoint import list_checkpoints, read_checkpoint
+from ringtrain.cluster.launch import find_mpirun
 
 PROGRAMS = os.path.join(ROOT, "tests", "cli", "programs")
 FAULTY = os.path.join(PROGRAMS, "faulty_train.py")

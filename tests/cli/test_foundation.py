@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpirun import ROOT, mpirun, ringtrain, run, show
-from ringtrain.comm.cuda import cuda_aware
+from ringtrain.comm.cuda_aware import cuda_aware
 
 PROGRAM = os.path.join(ROOT, "tests", "cli", "programs", "raise_on_rank.py")
 

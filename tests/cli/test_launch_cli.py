@@ -7,7 +7,7 @@ from mpirun import ringtrain, run, show
 
 # One write per line: unbuffered print() writes its pieces separately, and
 # ranks sharing mpirun's stdout would interleave them.
-PRINT_RANK = ("import os; from ringtrain.rank_log import rank_from_env; r = rank_from_env(os.environ); "
+PRINT_RANK = ("import os; from ringtrain.cluster.rank_log import rank_from_env; r = rank_from_env(os.environ); "
               "os.write(1, f'rank {r}\\n'.encode()); os.write(2, f'err {r}\\n'.encode())")
 
 
@@ -30,7 +30,7 @@ def test_per_rank_logs(tmp_path):
 
 
 def test_the_jobs_exit_status_comes_back():
-    code = "import os, sys; from ringtrain.rank_log import rank_from_env; sys.exit(3 if rank_from_env(os.environ) == 1 else 0)"
+    code = "import os, sys; from ringtrain.cluster.rank_log import rank_from_env; sys.exit(3 if rank_from_env(os.environ) == 1 else 0)"
     result = run(ringtrain("launch", "-np", "3", "--", sys.executable, "-c", code), timeout=60)
     assert result.returncode == 3, show(result)
 

@@ -20,7 +20,7 @@ from test_faults import assert_bitwise_equal, final_params
 PROGRAMS = os.path.join(ROOT, "tests", "cli", "programs")
 
 # Each rank writes its pid to DIR/pid-R, then sleeps until signalled.
-SLEEPER = ("import os, sys, time; from ringtrain.launch import rank_from_env; "
+SLEEPER = ("import os, sys, time; from ringtrain.cluster.launch import rank_from_env; "
            "d = sys.argv[1]; r = rank_from_env(os.environ); "
            "open(os.path.join(d, f'pid-{r}.tmp'), 'w').write(str(os.getpid())); "
            "os.rename(os.path.join(d, f'pid-{r}.tmp'), os.path.join(d, f'pid-{r}')); "

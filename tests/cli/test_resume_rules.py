@@ -20,7 +20,7 @@ import pytest
 
 from mpirun import ROOT, mpirun, ringtrain, show
 from ringtrain import build_model
-from ringtrain.checkpoint import list_checkpoints, save_checkpoint
+from ringtrain.io.checkpoint import list_checkpoints, save_checkpoint
 
 FAULTY = os.path.join(ROOT, "tests", "cli", "programs", "faulty_train.py")
 # 320 training rows: 40 steps per epoch on one rank, 20 on two.

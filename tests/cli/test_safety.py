@@ -18,7 +18,7 @@ import pytest
 from mpirun import ROOT, mpirun, ringtrain, run, show
 from mpirun import test_env as job_env
 from refusals import assert_refused
-from ringtrain.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
+from ringtrain.io.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
 
 SMALL = ["--dataset", "synthetic", "--samples", "400", "--features", "8", "--classes", "3", "--hidden", "8",
          "--batch-size", "8", "--epochs", "1", "--no-progress"]
@@ -121,7 +121,7 @@ def finish(proc, timeout):
 
 
 def test_a_second_job_in_a_held_run_directory_is_refused_and_the_first_finishes(tmp_path):
-    from ringtrain.launch import mpirun_command
+    from ringtrain.cluster.launch import mpirun_command
 
     run_dir = tmp_path / "run"
     lock = run_dir / ".ringtrain.lock"

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from mpirun import mpirun, ringtrain as rt, show
-from ringtrain.checkpoint import read_checkpoint
+from ringtrain.io.checkpoint import read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_standardized_statistics_are_bitwise_the_same_at_1_and_3_ranks(wild, tmp
     assert np.array_equal(mean1, mean3) and np.array_equal(std1, std3)
     assert min(acc1, acc3) >= 0.9, found
     # The statistics are the training rows' (not the held-out ones'), as float64 computes them.
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     x = load_sharded(wild, MPI.COMM_SELF).x.astype(np.float64)
     assert np.all(np.abs(mean1 - x.mean(axis=0)) <= 1e-12 * np.abs(x).max(axis=0)), (mean1, x.mean(axis=0))

@@ -18,8 +18,8 @@ import pytest
 import ringtrain
 import mpirun as jobs
 from mpirun import ROOT, run, show
-from ringtrain.checkpoint import read_checkpoint
-from ringtrain.launch import mpirun_command
+from ringtrain.io.checkpoint import read_checkpoint
+from ringtrain.cluster.launch import mpirun_command
 
 SLOW = os.path.join(ROOT, "tests", "cli", "programs", "slow_train.py")
 # 320 training rows: 20 steps per epoch at 2 ranks; 200 steps of at least 10 ms.

@@ -14,7 +14,7 @@ import pytest
 
 import ringtrain
 from mpirun import ROOT, mpirun, show
-from ringtrain.checkpoint import list_checkpoints, read_checkpoint
+from ringtrain.io.checkpoint import list_checkpoints, read_checkpoint
 
 pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
 

@@ -8,7 +8,7 @@ import pytest
 
 import ringtrain
 from mpirun import mpirun, ringtrain as rt, run, show
-from ringtrain.launch import find_mpirun
+from ringtrain.cluster.launch import find_mpirun
 
 
 def read_metrics(run_dir):
@@ -26,7 +26,7 @@ def test_digits_reaches_97_percent(tmp_path, ranks):
     # Exact global evaluation: every test sample counted once, whatever the ranks.
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     assert {e["samples"] for e in evals} == {load_sharded("digits", MPI.COMM_SELF).num_test}
     # Only rank 0 prints: one header (and, on several ranks, how gradients
@@ -57,7 +57,7 @@ def test_run_directory_layout_and_checkpoint_loads(tmp_path):
     # The saved parameters are exactly the model the run built (reference: build it here).
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     digits = load_sharded("digits", MPI.COMM_SELF)
     model = ringtrain.build_model("mlp", digits.num_features, digits.num_classes, hidden=tuple(config["hidden"]))

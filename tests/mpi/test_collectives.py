@@ -201,7 +201,7 @@ def test_shared_memory_in_blocks_matches_mpi(dtype):
     # Above one stage the window works in rounds that go round a ring of
     # stages: a length past all of them reuses each stage and ends in a
     # partial round.
-    from ringtrain.comm.window import HALF_BYTES
+    from ringtrain.comm.transports.shm import HALF_BYTES
 
     n = HALF_BYTES // np.dtype(dtype).itemsize + 100_003
     x = data(n, dtype, seed=7)

@@ -9,8 +9,8 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain import UsageError
-from ringtrain.sharding import EpochPlan
-from ringtrain.datasets import load_sharded
+from ringtrain.data.sharding import EpochPlan
+from ringtrain.data.load import load_sharded
 from ringtrain.training.evaluate import reduce_eval, sum_eval
 
 SYNTHETIC = dict(samples=1009, features=7, classes=3, seed=4, test_fraction=0.2)  # 1009 is prime

@@ -12,10 +12,10 @@ from mpi4py import MPI
 from references import data, reference, same_everywhere
 
 from ringtrain.comm import allreduce, allreduce_, allreduce_many_
-from ringtrain.comm.hierarchical import Hierarchy
+from ringtrain.comm.transports.hierarchical import Hierarchy
 from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.comm.transports import create_transport
-from ringtrain.comm.window import HALF_BYTES
+from ringtrain.comm.transports.shm import HALF_BYTES
 from ringtrain.errors import MismatchError
 
 comm = MPI.COMM_WORLD

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from ringtrain.comm import allreduce_many_
 from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.errors import MismatchError, UsageError
-from ringtrain.models import build_model
+from ringtrain.models.registry import build_model
 from ringtrain.comm.reducer import Reducer
 
 comm = MPI.COMM_WORLD

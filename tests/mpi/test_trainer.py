@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from ringtrain.training.config import TrainConfig
-from ringtrain.models import build_model
+from ringtrain.models.registry import build_model
 from ringtrain.training.loop import train
 from ringtrain.training.replicas import params_digest
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from references import data, reference, same_everywhere
 
 from ringtrain.comm.transports import create_transport
-from ringtrain.comm.window import HALF_BYTES
+from ringtrain.comm.transports.shm import HALF_BYTES
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

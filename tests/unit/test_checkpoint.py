@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ringtrain
-from ringtrain import checkpoint as ck
-from ringtrain.checkpoint import (
+from ringtrain.io import checkpoint as ck
+from ringtrain.io.checkpoint import (
     CheckpointError,
     latest_valid_checkpoint,
     list_checkpoints,

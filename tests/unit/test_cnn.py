@@ -5,8 +5,8 @@ import pytest
 from gradients import finite_difference_check
 
 from ringtrain import backend
-from ringtrain.cnn import CNN
-from ringtrain.models import build_model, flat_layout
+from ringtrain.models.cnn import CNN
+from ringtrain.models.registry import build_model, flat_layout
 
 NETS = {  # name -> (input_shape, channels, kernel, hidden)
     "one-block": ((2, 6, 6), (2,), 3, (4,)),
@@ -268,7 +268,7 @@ def test_a_small_cnn_learns_digits():
 def test_datasets_flatten_images_and_record_their_shape(tmp_path, shape, image_shape):
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     rng = np.random.default_rng(0)
     x, y = rng.random(shape).astype(np.float32), np.arange(shape[0]) % 3
@@ -286,7 +286,7 @@ def test_datasets_flatten_images_and_record_their_shape(tmp_path, shape, image_s
 def test_built_in_image_datasets_know_their_shape_and_synthetic_has_none():
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
 
     pytest.importorskip("sklearn")
     assert load_sharded("digits", MPI.COMM_SELF).image_shape == (1, 8, 8)
@@ -296,7 +296,7 @@ def test_built_in_image_datasets_know_their_shape_and_synthetic_has_none():
 def test_test_images_of_another_shape_are_a_usage_error(tmp_path):
     from mpi4py import MPI
 
-    from ringtrain.datasets import load_sharded
+    from ringtrain.data.load import load_sharded
     from ringtrain.errors import UsageError
 
     np.savez(tmp_path / "data.npz", x=np.zeros((6, 3, 6, 4)), y=np.arange(6) % 2, x_test=np.zeros((2, 3, 4, 6)),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ringtrain.comm.cuda import ENV, cuda_aware, verdict
+from ringtrain.comm.cuda_aware import ENV, cuda_aware, verdict
 from ringtrain.errors import UsageError
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.training.standardize import (feature_statistics, fixed_point_sum, grid_exponents, spread_warning)
+from ringtrain.data.standardize import (feature_statistics, fixed_point_sum, grid_exponents, spread_warning)
 
 
 def wild_columns(rows=1000, seed=0):

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringtrain import hostfiles as H
-from ringtrain import jobs as J
-from ringtrain import launch as L
+from ringtrain.cluster import hostfiles as H
+from ringtrain.cluster import jobs as J
+from ringtrain.cluster import launch as L
 from ringtrain.errors import UsageError
-from ringtrain.hostfiles import Host, check_slots, format_hostfile, parse_host_list, parse_hostfile
-from ringtrain.launch import format_command, launch_command
-from ringtrain.rank_log import rank_from_env
+from ringtrain.cluster.hostfiles import Host, check_slots, format_hostfile, parse_host_list, parse_hostfile
+from ringtrain.cluster.launch import format_command, launch_command
+from ringtrain.cluster.rank_log import rank_from_env
 
 MPIRUN = "/opt/mpi/bin/mpirun"
 
@@ -136,7 +136,7 @@ def test_openmpi_as_root_gets_the_run_as_root_variables(monkeypatch):
 
 def test_per_rank_logs_go_through_the_wrapper():
     args, _ = launch_command(2, ["prog", "-v"], mpirun=MPIRUN, flavour="mpich", logdir="/logs", python="/py")
-    assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.rank_log", "/logs", "--", "prog", "-v"]
+    assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.cluster.rank_log", "/logs", "--", "prog", "-v"]
 
 
 def test_an_unknown_mpi_cannot_take_a_hostfile():
@@ -191,7 +191,7 @@ def test_dry_run_prints_the_translated_hostfile_and_command(fake_mpi, tmp_path, 
     assert lines[1:3] == [f"#   {e}" for e in entries]
     extra = ["--bind-to none"] if flavour == "openmpi" else []
     expected = " ".join([mpirun, flag, f"{logs}/hostfile", *extra, "-np 3", L.sys.executable,
-                         f"-m ringtrain.rank_log {logs} -- prog 'x y'"])
+                         f"-m ringtrain.cluster.rank_log {logs} -- prog 'x y'"])
     assert lines[3:] == [expected]
     assert not logs.exists()
 
@@ -273,9 +273,9 @@ def test_comments_and_blank_lines_change_nothing(hosts, flavour, data):
 
 def test_one_list_of_rank_variables_serves_the_cli_and_the_log_wrapper(monkeypatch):
     import ringtrain.cli
-    import ringtrain.rank_log
+    import ringtrain.cluster.rank_log
     assert L.RANK_VARIABLES == ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-    assert ringtrain.rank_log.rank_from_env is L.rank_from_env
+    assert ringtrain.cluster.rank_log.rank_from_env is L.rank_from_env
     assert L.rank_from_env({"SLURM_PROCID": "5"}) == 5
     assert L.rank_from_env({"PMI_RANK": "x", "PMIX_RANK": "1"}) == 1
     for name in L.RANK_VARIABLES:
@@ -394,8 +394,8 @@ def test_without_an_error_the_report_shows_every_non_empty_log():
 
 def test_restarts_append_to_the_rank_logs():
     args, _ = launch_command(2, ["p"], mpirun=MPIRUN, flavour="mpich", logdir="/logs", python="/py", restart=2)
-    assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.rank_log", "--restart", "2", "/logs", "--", "p"]
-    from ringtrain.rank_log import _parse
+    assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.cluster.rank_log", "--restart", "2", "/logs", "--", "p"]
+    from ringtrain.cluster.rank_log import _parse
     assert _parse(["--restart", "2", "/logs", "--", "p", "-v"]) == (2, "/logs", ["p", "-v"])
     assert _parse(["/logs", "p"]) == (0, "/logs", ["p"])
     assert _parse(["--restart", "x", "/logs", "--", "p"]) is None

@@ -5,7 +5,7 @@ import pytest
 from ringtrain.comm.policy import RING_BYTES, SMALL_BYTES, WINDOW_BYTES, choose_transport
 from ringtrain.comm.schedule import chunk_bounds
 from ringtrain.comm.transports import TRANSPORTS, create_transport
-from ringtrain.comm.window import HALF_BYTES, ROUND_BYTES, piece_bounds, round_plan
+from ringtrain.comm.transports.shm import HALF_BYTES, ROUND_BYTES, piece_bounds, round_plan
 
 FITS, BIG = WINDOW_BYTES - 4096, max(WINDOW_BYTES, RING_BYTES) + 1
 
@@ -70,7 +70,7 @@ def test_a_buffer_that_fits_one_half_goes_in_one_round_and_a_larger_one_in_cache
 @pytest.mark.parametrize("local_size, hosts", [(1, 1), (2, 1), (1, 3), (2, 2), (3, 2), (4, 3)])
 @pytest.mark.parametrize("n", [0, 1, 5, 1009])
 def test_two_level_spans_tile_the_buffer(n, local_size, hosts):
-    from ringtrain.comm.hierarchical import owned_span
+    from ringtrain.comm.transports.hierarchical import owned_span
 
     spans = sorted(owned_span(n, local_size, chunk, hosts, h) for chunk in range(local_size) for h in range(hosts))
     assert spans[0][0] == 0 and spans[-1][1] == n

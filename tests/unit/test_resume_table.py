@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from ringtrain.checkpoint import latest_valid_checkpoint, save_checkpoint
+from ringtrain.io.checkpoint import latest_valid_checkpoint, save_checkpoint
 from ringtrain.errors import UsageError
 from ringtrain.failure import verdict_of
 from ringtrain.training.config import (FIELDS, RESUME_RULES, TrainConfig, resume_differences, timeline_problem,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ringtrain.training import runlog
-from ringtrain.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, save_checkpoint
+from ringtrain.io.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, save_checkpoint
 from ringtrain.training.runlog import LOCK_NAME, RunDirInUse, RunLog, default_run_dir
 
 

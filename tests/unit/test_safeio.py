@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
+from ringtrain.io.checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
 from ringtrain.training.config import TrainConfig, load_config_file, validate
-from ringtrain.datasets import MAX_CLASSES, load_sharded
+from ringtrain.data.load import MAX_CLASSES, load_sharded
 from ringtrain.errors import UsageError
-from ringtrain.models import MAX_PARAMETERS, build_model
-from ringtrain.safeio import (GiB, MiB, file_kind, human_bytes, one_line, open_regular, os_reason, read_regular)
+from ringtrain.models.registry import MAX_PARAMETERS, build_model
+from ringtrain.io.safeio import (GiB, MiB, file_kind, human_bytes, one_line, open_regular, os_reason, read_regular)
 
 SELF = MPI.COMM_SELF
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount)")

@@ -1,7 +1,7 @@
 import pytest
 
 from ringtrain import TaskSpec
-from ringtrain.topology import node_layout
+from ringtrain.cluster.topology import node_layout
 
 
 def test_node_layout_numbers_hosts_by_lowest_rank():
@@ -23,7 +23,7 @@ def test_taskspec_is_frozen():
 
 
 def test_threads_per_rank_is_a_fair_share_of_cores():
-    from ringtrain.topology import threads_per_rank
+    from ringtrain.cluster.topology import threads_per_rank
 
     assert [threads_per_rank(8, n) for n in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
 

@@ -36,7 +36,7 @@ import time
 
 from mpi4py import MPI
 
-import ringtrain.checkpoint
+import ringtrain.io.checkpoint
 import ringtrain.training.loop
 from ringtrain.cli import build_parser
 from ringtrain.commands.train import FINAL_CHECKPOINT_MISSING
@@ -80,7 +80,7 @@ def inject(model, fault, at):
 
 def install(fault, at):
     if fault == "enospc":
-        write, saves = ringtrain.checkpoint._write_npz, [0]
+        write, saves = ringtrain.io.checkpoint._write_npz, [0]
 
         def failing_write(fileobj, arrays, meta):
             saves[0] += 1
@@ -89,7 +89,7 @@ def install(fault, at):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return write(fileobj, arrays, meta)
 
-        ringtrain.checkpoint._write_npz = failing_write
+        ringtrain.io.checkpoint._write_npz = failing_write
     elif fault == "sleep-load":
         load = ringtrain.training.loop.load_sharded
 

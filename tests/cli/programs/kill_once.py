@@ -13,7 +13,7 @@ would see it already made and take a different path.
 import os
 import sys
 
-from ringtrain.launch import rank_from_env
+from ringtrain.cluster.launch import rank_from_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from .model_base import FlatModel, dense_init, evaluate_in_chunks, xent_in_place
+from .base import FlatModel, dense_init, evaluate_in_chunks, xent_in_place
 
 __all__ = ["CNN"]
 

@@ -21,8 +21,8 @@ any object with those three members. A model that also keeps its parameters
 and gradients in one flat buffer each opts in to the fast tier by subclassing
 :class:`FlatModel` (the sharded optimizer step, in-place bucket reduction);
 any other model is averaged through the plain allreduce. The protocol lives
-in :mod:`ringtrain.model_base`; this module holds the MLP and the registry
-of models by name (``mlp``, ``softmax``, and the CNN of :mod:`ringtrain.cnn`).
+in :mod:`ringtrain.models.base`; this module holds the MLP and the registry
+of models by name (``mlp``, ``softmax``, and the CNN of :mod:`ringtrain.models.cnn`).
 Arrays are whatever module the parameters live in (``xp``, CuPy's idiom);
 this module never imports CuPy.
 
@@ -38,7 +38,7 @@ import operator
 import numpy as np
 
 from .cnn import CNN
-from .model_base import (FlatModel, Model, dense_init, evaluate_in_chunks, flat_layout, softmax_cross_entropy,
+from .base import (FlatModel, Model, dense_init, evaluate_in_chunks, flat_layout, softmax_cross_entropy,
                          xent_in_place)
 
 __all__ = [
@@ -246,7 +246,7 @@ def build_model(name, num_features, num_classes, hidden=(), xp=np, seed=0, dtype
 
     Args:
         input_shape: ``(channels, height, width)`` when the rows are images
-            (:attr:`ringtrain.datasets.Shard.image_shape`), else None. Given
+            (:attr:`ringtrain.data.load.Shard.image_shape`), else None. Given
             only to builders that take it: flat models ignore it.
         options: model-specific settings, e.g. ``channels`` and ``kernel``
             for ``"cnn"``.

@@ -21,10 +21,10 @@ interface.
 
 import numpy as np
 
-from ..backend import get_array_module, synchronize
+from ...backend import get_array_module, synchronize
 from .base import Transport
-from .policy import SEGMENT_BYTES
-from .schedule import chunk_bounds, ring_schedule, segments
+from ..policy import SEGMENT_BYTES
+from ..schedule import chunk_bounds, ring_schedule, segments
 
 __all__ = ["RingTransport", "ring_allreduce", "ring_reduce_scatter", "ring_allgather"]
 

@@ -24,7 +24,7 @@ length and dtype, in the same order. The callers check that first
 
 import numpy as np
 
-from .schedule import chunk_bounds
+from ..schedule import chunk_bounds
 
 __all__ = ["Transport", "LocalTransport"]
 

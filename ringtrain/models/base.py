@@ -4,13 +4,14 @@
 :class:`FlatModel` is the fast tier, parameters and gradients as views of one
 flat buffer each, checked once by :func:`flat_layout`; the losses every
 built-in model shares live here too. The models themselves
-(:mod:`ringtrain.models`, :mod:`ringtrain.cnn`) build on this module.
+(:mod:`ringtrain.models`, :mod:`ringtrain.models.cnn`) build on this module.
 """
 
 import numpy as np
 
-from . import backend
-from .flat import FlatLayout, address
+from .. import backend
+from ..backend import address
+from .layout import FlatLayout
 
 __all__ = ["Model", "FlatModel", "flat_layout", "softmax_cross_entropy", "xent_in_place", "evaluate_in_chunks"]
 
@@ -144,7 +145,7 @@ class FlatModel(Model):
         self.grads = self._layout.views(self.grad_buffer, shapes)
 
     def layout(self):
-        """The verified :class:`~ringtrain.flat.FlatLayout` of the buffers.
+        """The verified :class:`~ringtrain.models.layout.FlatLayout` of the buffers.
 
         Raises:
             ValueError: naming the first parameter or gradient that is not

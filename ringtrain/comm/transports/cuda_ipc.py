@@ -7,7 +7,7 @@ reduce in place with CuPy kernels, at device-memory speed; NCCL refuses two
 ranks on one GPU, so where ranks share a GPU this is the only fast path.
 
 :class:`CudaIpcTransport` is the CPU window's structure on device memory
-(:mod:`ringtrain.comm.window`), in one round:
+(:mod:`ringtrain.comm.transports.shm`), in one round:
 
 1. reduce-scatter: each rank copies its buffer into its own slot (or, for an
    array made by :meth:`~CudaIpcTransport.share`, already lives there);
@@ -39,10 +39,10 @@ host).
 
 import numpy as np
 
-from .. import backend
-from ..flat import address
+from ... import backend
+from ...backend import address
 from .base import Transport
-from .schedule import chunk_bounds
+from ..schedule import chunk_bounds
 
 __all__ = ["CudaIpcTransport"]
 

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import socket
 
-from . import backend
+from .. import backend
 
 __all__ = ["TaskSpec", "node_layout", "threads_per_rank", "THREAD_VARIABLES"]
 

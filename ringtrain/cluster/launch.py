@@ -3,8 +3,8 @@
 Open MPI and MPICH's Hydra take different flags and different hostfile
 syntaxes for the same things; this module hides that. The pieces that decide
 anything (the argument list, the launch plan) are pure functions tested
-without MPI; hosts are :mod:`ringtrain.hostfiles`' and running the job
-(signals, restarts, failure reports) is :mod:`ringtrain.jobs`'. :func:`launch`
+without MPI; hosts are :mod:`ringtrain.cluster.hostfiles`' and running the job
+(signals, restarts, failure reports) is :mod:`ringtrain.cluster.jobs`'. :func:`launch`
 is the thin part that ties them together.
 
 This module imports only the standard library, :mod:`ringtrain.errors` and
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from .errors import UsageError
+from ..errors import UsageError
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import run_with_restarts
 
@@ -175,7 +175,7 @@ def launch_command(np, command, *, mpirun, flavour, hostfile=None, hosts=None, l
         # Open MPI's --output-filename and Hydra's -outfile-pattern name their
         # files differently and split stdout from stderr; one small wrapper
         # that redirects and then execs gives rank-R.log under every MPI.
-        args += [python, "-m", "ringtrain.rank_log"]
+        args += [python, "-m", "ringtrain.cluster.rank_log"]
         args += ["--restart", str(restart)] if restart else []
         args += [logdir, "--"]
     return args + list(command), _root_env(flavour)

@@ -3,7 +3,7 @@
 ``ringtrain launch -o LOGDIR`` puts this in front of the user's command on
 every rank::
 
-    python -m ringtrain.rank_log [--restart N] LOGDIR -- COMMAND...
+    python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND...
 
 The rank comes from the variable the MPI launcher sets; the file is opened,
 made the process's stdout and stderr, and the command replaces this process
@@ -20,7 +20,7 @@ from .launch import RANK_VARIABLES, rank_from_env
 
 __all__ = ["rank_from_env", "main"]
 
-USAGE = "usage: python -m ringtrain.rank_log [--restart N] LOGDIR -- COMMAND..."
+USAGE = "usage: python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND..."
 
 
 def _parse(argv):
@@ -45,7 +45,7 @@ def main(argv=None):
     restart, logdir, command = parsed
     rank = rank_from_env(os.environ)
     if rank is None:
-        print("ringtrain.rank_log: no rank in the environment (" + ", ".join(RANK_VARIABLES)
+        print("ringtrain.cluster.rank_log: no rank in the environment (" + ", ".join(RANK_VARIABLES)
               + "); run it under mpirun", file=sys.stderr)
         return 2
     # Each host makes the directory itself: without a shared file system the
@@ -66,7 +66,7 @@ def main(argv=None):
         os.execvp(command[0], command)
     except OSError as exc:
         # Like a shell: the reason goes to the log, 127 to mpirun.
-        print(f"ringtrain.rank_log: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        print(f"ringtrain.cluster.rank_log: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
 
 

@@ -140,7 +140,7 @@ def standardize(data, comm, enabled, warn=None):
     """The shard with its features standardised, or as it is with a warning if they need it (collective).
 
     Args:
-        data: this rank's :class:`ringtrain.datasets.Shard`.
+        data: this rank's :class:`ringtrain.data.load.Shard`.
         comm: the communicator it was loaded over.
         enabled: ``--standardize``.
         warn: called on rank 0 with the warning line (default: printed to stderr).

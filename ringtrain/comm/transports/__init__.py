@@ -3,7 +3,7 @@
 As ChainerMN's ``create_communicator`` does for communicators: the caller
 names a transport (the size policy, :func:`ringtrain.comm.policy.choose_transport`,
 picks the name), and a wrong name lists the right ones. Adding a transport is
-a new module with a :class:`~ringtrain.comm.base.Transport` subclass and one
+a new module with a :class:`~ringtrain.comm.transports.base.Transport` subclass and one
 line in :data:`TRANSPORTS`.
 """
 
@@ -12,7 +12,7 @@ from .cuda_ipc import CudaIpcTransport
 from .hierarchical import HierarchicalTransport
 from .mpi import MpiTransport
 from .ring import RingTransport
-from .window import WindowTransport
+from .shm import WindowTransport
 
 __all__ = ["TRANSPORTS", "create_transport"]
 
@@ -30,7 +30,7 @@ TRANSPORTS = {
 def create_transport(name, comm, **options):
     """A transport by name over ``comm``; collective (some transports set up shared state).
 
-    One rank always gets a :class:`~ringtrain.comm.base.LocalTransport`.
+    One rank always gets a :class:`~ringtrain.comm.transports.base.LocalTransport`.
     ``options`` go to the transport's ``create`` (the windows take
     ``shared_bytes``). Returns None where the transport cannot serve ``comm``
     (a window across hosts, CUDA IPC where the ranks cannot map each other's

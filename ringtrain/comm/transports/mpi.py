@@ -14,9 +14,9 @@ this transport) and its two phases agree to rounding, not bitwise.
 
 import numpy as np
 
-from ..backend import get_array_module
+from ...backend import get_array_module
 from .base import Transport
-from .schedule import chunk_bounds
+from ..schedule import chunk_bounds
 
 __all__ = ["MpiTransport"]
 

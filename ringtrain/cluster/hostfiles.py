@@ -13,7 +13,7 @@ import socket
 import stat
 import subprocess
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["Host", "EXPECTED", "parse_hostfile", "read_hostfile", "parse_host_list", "format_hostfile",
            "check_slots", "np_limit", "check_np", "check_hosts", "MAX_NP", "RANKS_PER_CORE"]

@@ -1,14 +1,14 @@
 """Hierarchical allreduce: within each host through shared memory, across hosts among chunk owners.
 
 On a cluster the links between hosts are much slower than memory within a
-host. The flat ring (:mod:`ringtrain.comm.ring`) sends ``2 (N - 1) / N`` of the
+host. The flat ring (:mod:`ringtrain.comm.transports.ring`) sends ``2 (N - 1) / N`` of the
 vector over every link, the slow ones included, and takes ``2 (N - 1)``
 latency-bound steps. Where every host runs the same number ``L`` of ranks,
 :class:`HierarchicalTransport` splits the vector into ``L`` chunks and runs
 both phases in two levels:
 
 * reduce-scatter: within each host through the shared-memory window
-  (:mod:`ringtrain.comm.window`), which leaves local rank ``l`` its host's sum
+  (:mod:`ringtrain.comm.transports.shm`), which leaves local rank ``l`` its host's sum
   of chunk ``l``; then, on that chunk, the ring's reduce-scatter among the
   ``H`` ranks (one per host) that own chunk ``l``, which leaves each of them
   the global sum of one piece of it;
@@ -44,13 +44,13 @@ import weakref
 
 import numpy as np
 
-from ..backend import get_array_module
+from ...backend import get_array_module
 from .base import LocalTransport, Transport
 from .cuda_ipc import CudaIpcTransport
-from .policy import SEGMENT_BYTES
+from ..policy import SEGMENT_BYTES
 from .ring import RingTransport, ring_allgather, ring_allreduce, ring_reduce_scatter
-from .schedule import chunk_bounds
-from .window import WindowTransport
+from ..schedule import chunk_bounds
+from .shm import WindowTransport
 
 __all__ = ["Hierarchy", "HierarchicalTransport", "hierarchical_reduce", "owned_span"]
 
@@ -264,7 +264,7 @@ def hierarchical_reduce(comm, buf, combine, stages, segment):
 
     The engine behind ``algorithm="hierarchical"`` in
     :mod:`ringtrain.comm.collectives`, with the signature of
-    :func:`ringtrain.comm.ring.ring_allreduce`. Collective: every rank of ``comm``
+    :func:`ringtrain.comm.transports.ring.ring_allreduce`. Collective: every rank of ``comm``
     must call it with the same length, dtype and ``combine``, in the same
     order (the callers in :mod:`ringtrain.comm.collectives` check that first).
 

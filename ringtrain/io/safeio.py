@@ -20,7 +20,7 @@ import fcntl
 import os
 import stat
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "open_regular", "read_regular", "file_kind", "os_reason",
            "one_line", "human_bytes", "physical_memory"]

@@ -37,7 +37,7 @@ import zipfile
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 from .safeio import open_regular, physical_memory
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Shard bounds, per-epoch shuffles and batch schedules: pure index maths.
 
 Nothing here talks to MPI, so all of it is tested without ``mpirun``; the
-loaders and the collective entry point live in :mod:`ringtrain.datasets`.
+loaders and the collective entry point live in :mod:`ringtrain.data.load`.
 
 The rule, after TensorLayer: **shard first, then shuffle**. The training rows
 are cut into contiguous blocks, one per rank (:func:`shard_bounds`), and each
@@ -32,7 +32,7 @@ differ in size by at most one sample, so :class:`EpochPlan` evens them out:
 
 Evaluation data are sharded the same way but never padded
 (:func:`eval_batches`); their results are reduced as sums, once, after the
-last batch (see :func:`ringtrain.datasets.reduce_eval`), so ranks may run
+last batch (see :func:`ringtrain.data.load.reduce_eval`), so ranks may run
 different numbers of evaluation batches.
 """
 
@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = [
     "shard_bounds",
@@ -171,7 +171,7 @@ class EpochPlan:
 
     @classmethod
     def for_shard(cls, shard, comm=None, *, batch_size, seed=0, drop_last=False):
-        """The plan for a :class:`ringtrain.datasets.Shard`'s rank and size.
+        """The plan for a :class:`ringtrain.data.load.Shard`'s rank and size.
 
         Not collective: every rank derives the same steps from the same
         global counts. ``comm``, if given, must be the communicator the shard

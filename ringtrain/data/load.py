@@ -3,7 +3,7 @@
 :func:`load_sharded` is the one entry point: every rank calls it, and every
 rank gets back a :class:`Shard` with its own training and evaluation rows
 plus the global counts. The index maths (which rows are whose, the per-epoch
-shuffles, equal steps per rank) is in :mod:`ringtrain.sharding`.
+shuffles, equal steps per rank) is in :mod:`ringtrain.data.sharding`.
 
 Datasets:
 
@@ -31,7 +31,7 @@ Datasets:
   ``x_test`` and ``y_test``; or a directory holding ``x.npy`` and ``y.npy``
   (optionally ``x_test.npy``, ``y_test.npy``). Features are used as given,
   cast to float32: scale them yourself, the same way for training and test
-  rows, or train with ``--standardize`` (:mod:`ringtrain.training.standardize`). Rows of a directory are memory-mapped, so each rank reads only its
+  rows, or train with ``--standardize`` (:mod:`ringtrain.data.standardize`). Rows of a directory are memory-mapped, so each rank reads only its
   own rows; an ``.npz`` is read whole by every rank. Pickled objects are
   never loaded (``allow_pickle=False``). The number of classes is
   ``num_classes`` if given, else the largest label plus one. ``x`` may also
@@ -42,7 +42,7 @@ Datasets:
 Without test arrays, ``round(test_fraction * rows)`` rows chosen by a
 generator seeded from ``seed`` are held out (for ``synthetic``, the tail).
 The remaining rows, in file order, are the training rows, split into
-contiguous shards by :func:`ringtrain.sharding.shard_bounds`; evaluation rows
+contiguous shards by :func:`ringtrain.data.sharding.shard_bounds`; evaluation rows
 are split the same way, without padding.
 """
 
@@ -56,9 +56,9 @@ import zipfile
 import numpy as np
 
 from .sharding import check_batch_size, complement_positions, shard_bounds
-from .errors import MismatchError, UsageError
-from .failure import agree
-from .safeio import MiB, human_bytes, one_line, open_regular, physical_memory
+from ..errors import MismatchError, UsageError
+from ..failure import agree
+from ..io.safeio import MiB, human_bytes, one_line, open_regular, physical_memory
 
 __all__ = ["DATASETS", "MAX_CLASSES", "Shard", "load_sharded", "synthetic_rows"]
 
@@ -98,7 +98,7 @@ class Shard:
         test_bounds: ``(start, stop)`` of this shard among the evaluation rows.
         image_shape: ``(channels, height, width)`` of one row when the rows
             are images (digits, mnist5k, image arrays), else None.
-        scaling: the :class:`ringtrain.training.standardize.Scaling` that
+        scaling: the :class:`ringtrain.data.standardize.Scaling` that
             ``x`` and ``x_test`` were standardised with, or None (as read).
     """
 
@@ -155,7 +155,7 @@ def load_sharded(name_or_path, comm=None, *, seed=0, test_fraction=0.2, batch_si
         comm: communicator to shard over (default ``MPI.COMM_WORLD``).
         seed: data seed: picks the held-out rows and generates ``synthetic``.
             The per-epoch shuffles are seeded separately (see
-            :class:`ringtrain.sharding.EpochPlan`).
+            :class:`ringtrain.data.sharding.EpochPlan`).
         test_fraction: share of rows held out when there are no test arrays,
             in [0, 1).
         batch_size: if given, check that every rank can fill one batch.
