@@ -10,7 +10,8 @@ from mpi4py import MPI
 from ringtrain import UsageError
 from ringtrain.data.sharding import (EpochPlan, check_batch_size, complement_positions, epoch_permutation, eval_batches,
                             shard_bounds, shard_sizes)
-from ringtrain.data.load import load_sharded, synthetic_rows
+from ringtrain.data.load import load_sharded
+from ringtrain.data.sources import synthetic_rows
 
 SELF = MPI.COMM_SELF
 CASES = [(n, k) for n in (0, 1, 2, 7, 10, 13, 97, 100, 1009) for k in (1, 2, 3, 4, 5, 7, 16)]
