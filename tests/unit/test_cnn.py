@@ -6,7 +6,7 @@ from gradients import finite_difference_check
 
 from ringtrain import backend
 from ringtrain.models.cnn import CNN
-from ringtrain.models.registry import build_model, flat_layout
+from ringtrain.models import build_model, flat_layout
 
 NETS = {  # name -> (input_shape, channels, kernel, hidden)
     "one-block": ((2, 6, 6), (2,), 3, (4,)),

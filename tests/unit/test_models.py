@@ -5,7 +5,7 @@ import pytest
 from gradients import finite_difference_check
 
 from ringtrain import backend
-from ringtrain.models.registry import MODELS, Model, build_model, register_model, softmax_cross_entropy
+from ringtrain.models import MODELS, Model, build_model, register_model, softmax_cross_entropy
 
 SHAPES = {  # name -> (model, hidden)
     "softmax": ("softmax", ()),
@@ -255,7 +255,7 @@ def test_bad_batches_are_rejected():
 
 
 def test_flat_layout_finds_the_mlp_buffers_in_backward_order():
-    from ringtrain.models.registry import flat_layout
+    from ringtrain.models import flat_layout
 
     model = build_model("mlp", 6, 3, hidden=(5, 4), seed=0)
     layout = flat_layout(model)
@@ -269,7 +269,7 @@ def test_flat_layout_finds_the_mlp_buffers_in_backward_order():
 
 
 def test_only_a_flat_model_has_a_layout_and_a_broken_one_is_named():
-    from ringtrain.models.registry import FlatModel, flat_layout
+    from ringtrain.models import FlatModel, flat_layout
 
     model = build_model("mlp", 6, 3, hidden=(5,), seed=0)
 
