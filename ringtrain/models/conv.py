@@ -21,6 +21,8 @@ computed as follows, and why:
   fast in NumPy as scattering the columns back (col2im) offset by offset.
 """
 
+import functools
+
 import numpy as np
 
 __all__ = ["ConvBlock", "conv_geometry", "conv_init", "check_images", "windows", "max_pool", "max_unpool"]
@@ -181,8 +183,37 @@ def max_unpool(xp, g, c1, c2, gm1, gz):
     keeps the zero it was allocated with.
     """
     h2, w2 = 2 * gm1.shape[1], 2 * g.shape[2]
-    # Subtracting what went to the winner leaves exactly g or 0 for the other: no second mask.
-    xp.multiply(g, c2, out=gm1[:, :, 1:w2:2])
-    xp.subtract(g, gm1[:, :, 1:w2:2], out=gm1[:, :, 0:w2:2])
-    xp.multiply(gm1, c1, out=gz[:, 1:h2:2])
-    xp.subtract(gm1, gz[:, 1:h2:2], out=gz[:, 0:h2:2])
+    _split(xp, g, c2, gm1[:, :, 1:w2:2], gm1[:, :, 0:w2:2])  # columns: the right one won where c2
+    _split(xp, gm1, c1, gz[:, 1:h2:2], gz[:, 0:h2:2])  # rows: the lower one won where c1
+
+
+def _split(xp, g, won, winner, loser):
+    """``winner = g * won``, ``loser = g - winner``: the gradient of a max over pairs, for each of the pair.
+
+    Subtracting what went to the winner leaves exactly g or 0 for the other:
+    no second mask.
+    """
+    kernel = _split_kernel(xp)
+    if kernel is not None:
+        kernel(g, won, winner, loser)
+        return
+    xp.multiply(g, won, out=winner)
+    xp.subtract(g, winner, out=loser)
+
+
+@functools.cache
+def _split_kernel(xp):
+    """On CuPy, :func:`_split` as one kernel; None on NumPy.
+
+    ``winner`` and ``loser`` are interleaved views of one array, and a CuPy
+    ufunc first copies any input whose memory bounds overlap its output (a
+    fresh allocation and a copy, twice per block per step). An
+    ElementwiseKernel copies nothing and writes both in one pass. The bits are
+    the ufuncs': ``won`` is 0 or 1, so ``g * won`` is exact, and ``g - winner``
+    rounds the same whether or not the compiler fuses it into a multiply-add.
+    """
+    make = getattr(xp, "ElementwiseKernel", None)
+    if make is None:
+        return None
+    return make("T g, bool won", "T winner, T loser", "winner = g * (T)won; loser = g - winner;",
+                "ringtrain_max_unpool_split")

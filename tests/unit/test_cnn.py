@@ -9,7 +9,7 @@ import pytest
 from gradients import finite_difference_check
 
 from ringtrain.models import build_model
-from ringtrain.models.conv import max_pool, windows
+from ringtrain.models.conv import max_pool, max_unpool, windows
 
 
 def one_block(seed=3):
@@ -80,6 +80,26 @@ def test_max_pool_takes_each_maximum_and_gives_a_tie_to_the_top_left():
     assert out.ravel().tolist() == [1, 4]
     assert c1.ravel().tolist() == [False, False, True, True, False]  # the lower row only where it is larger
     assert c2.ravel().tolist() == [False, True]
+
+
+@pytest.mark.gpu
+def test_max_unpool_on_gpu_gives_the_bits_numpy_gives():
+    from ringtrain import backend
+
+    if not backend.gpu_available():
+        pytest.skip("no GPU: backend.gpu_available() is False")
+    xp = backend.xp_for("gpu")
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        g = rng.standard_normal((3, 2, 2, 4)).astype(dtype)
+        g[0] *= 0.0  # signed zeros: g - g * won must keep their signs as NumPy does
+        c1, c2 = rng.random((3, 2, 5, 4)) < 0.5, rng.random((3, 2, 2, 4)) < 0.5
+        host = [np.zeros((3, 2, 5, 4), dtype), np.zeros((3, 5, 5, 4), dtype)]
+        max_unpool(np, g, c1, c2, *host)
+        device = [xp.zeros((3, 2, 5, 4), dtype), xp.zeros((3, 5, 5, 4), dtype)]
+        max_unpool(xp, xp.asarray(g), xp.asarray(c1), xp.asarray(c2), *device)
+        for want, got in zip(host, device):
+            assert backend.to_numpy(got).tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("kwargs, message", [
