@@ -30,8 +30,9 @@ Datasets:
   ``x_test`` and ``y_test``; or a directory holding ``x.npy`` and ``y.npy``
   (optionally ``x_test.npy``, ``y_test.npy``). Features are used as given,
   cast to float32: scale them yourself, the same way for training and test
-  rows, or train with ``--standardize`` (:mod:`ringtrain.data.standardize`). Rows of a directory are memory-mapped, so each rank reads only its
-  own rows; an ``.npz`` is read whole by every rank. Pickled objects are
+  rows, or train with ``--standardize`` (:mod:`ringtrain.data.standardize`).
+  Rows of a directory are memory-mapped, so each rank reads only its own
+  rows; an ``.npz`` is read whole by every rank. Pickled objects are
   never loaded (``allow_pickle=False``). The number of classes is
   ``num_classes`` if given, else the largest label plus one. ``x`` may also
   hold images, samples x H x W or samples x C x H x W: the rows are

@@ -14,7 +14,7 @@ whose output is the logits.
 
 import numpy as np
 
-from .. import backend
+from ..backend import get_array_module
 
 __all__ = ["dense_init", "dense_forward", "dense_backward", "activations", "BatchBuffers", "softmax_cross_entropy",
            "xent_in_place", "evaluate_in_chunks", "check_labels", "check_nonempty", "check_batch_size"]
@@ -115,7 +115,7 @@ def softmax_cross_entropy(logits, y, grad_scale=None):
     gradient of the mean) and returned as ``dlogits``; otherwise ``logits``
     is left alone and ``dlogits`` is None.
     """
-    xp = backend.get_array_module(logits)
+    xp = get_array_module(logits)
     rows = xp.arange(logits.shape[0])
     z = logits if grad_scale is not None else logits.copy()
     loss_sum, correct = xent_in_place(xp, z, xp.asarray(y), rows, grad_scale)
