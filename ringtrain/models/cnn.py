@@ -150,12 +150,12 @@ class CNN(FlatModel):
         g = dense_backward(xp, self.params, self.grads, logits, flat, bufs["acts"], bufs["deltas"], on_grad,
                            dx=bufs["dflat"]).reshape(blocks[-1].out.shape)
         for i in range(len(blocks) - 1, -1, -1):
-            weight, name = self.params[f"conv{i + 1}.weight"], f"conv{i + 1}"
+            name = f"conv{i + 1}"
             gw, gb = self.grads[f"{name}.weight"], self.grads[f"{name}.bias"]
             blocks[i].weight_grads(g, gw, gb)
             if on_grad is not None:
                 on_grad(f"{name}.bias", gb)
                 on_grad(f"{name}.weight", gw)
-            if i > 0:
-                g = blocks[i].input_grad(weight)
+            if i > 0:  # the first block needs no gradient with respect to the images
+                g = blocks[i].input_grad(self.params[f"{name}.weight"])
         return float(loss_sum) / n, self.grads, int(correct)
