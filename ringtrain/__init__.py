@@ -11,7 +11,7 @@ from .data.sharding import EpochPlan, shard_bounds
 from .data.load import Shard, load_sharded
 from .errors import MismatchError, UsageError
 from .failure import abort_on_error, agree
-from .models.registry import FlatModel, Model, build_model, flat_layout, register_model
+from .models import FlatModel, Model, build_model, flat_layout, register_model
 from .optim import build_optimizer, learning_rate, scaled_lr
 from .cluster.topology import TaskSpec
 from .training import EvalTotals, ShardedStep, TrainConfig, TrainResult, reduce_eval, sum_eval, train

@@ -103,7 +103,7 @@ def _ringtrain_steps(model, comm, data):
     import numpy as np
 
     from ringtrain import TrainConfig, broadcast_, build_optimizer
-    from ringtrain.models.registry import flat_layout
+    from ringtrain.models import flat_layout
     from ringtrain.training.strategy import VERDICTS, Phases, ShardedUpdate, Slot, choose_strategy
     from ringtrain.training.timeline import Timeline
     from ringtrain.watchdog import Watchdog, left_neighbour

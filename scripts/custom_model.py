@@ -12,7 +12,7 @@ array module ``xp`` and the same code runs on NumPy and CuPy.
 import numpy as np
 
 import ringtrain
-from ringtrain.models.registry import softmax_cross_entropy
+from ringtrain.models import softmax_cross_entropy
 
 
 class TanhNet(ringtrain.Model):

@@ -32,7 +32,7 @@ differ in size by at most one sample, so :class:`EpochPlan` evens them out:
 
 Evaluation data are sharded the same way but never padded
 (:func:`eval_batches`); their results are reduced as sums, once, after the
-last batch (see :func:`ringtrain.data.load.reduce_eval`), so ranks may run
+last batch (see :func:`ringtrain.training.evaluate.reduce_eval`), so ranks may run
 different numbers of evaluation batches.
 """
 
@@ -201,7 +201,7 @@ class EpochPlan:
         self._cached = (epoch, order)
         return order
 
-    def batch(self, epoch, step):
+    def batch_indices(self, epoch, step):
         """Indices into this rank's shard for one ``(epoch, step)``: a fresh, writeable int64 array.
 
         A copy (``batch_size`` integers), not a view of the cached, read-only
@@ -213,12 +213,11 @@ class EpochPlan:
         order = self.epoch_order(epoch)
         return order[step * self.batch_size:(step + 1) * self.batch_size].copy()
 
-    batch_indices = batch
 
     def batches(self, epoch, start_step=0):
         """Yield ``(step, indices)`` for one epoch, from ``start_step`` (to resume mid-epoch)."""
         for step in range(start_step, self.steps_per_epoch):
-            yield step, self.batch(epoch, step)
+            yield step, self.batch_indices(epoch, step)
 
     def __repr__(self):
         return (f"EpochPlan(num_samples={self.num_samples}, num_shards={self.num_shards}, rank={self.rank}, "

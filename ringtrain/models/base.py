@@ -1,19 +1,35 @@
 """The model protocol: what the trainer asks of a model, and the flat-buffer tier a model opts into.
 
-:class:`Model` is the protocol (``params``, ``loss_and_grad``, ``evaluate``);
-:class:`FlatModel` is the fast tier, parameters and gradients as views of one
-flat buffer each, checked once by :func:`flat_layout`; the losses every
-built-in model shares live here too. The models themselves
-(:mod:`ringtrain.models`, :mod:`ringtrain.models.cnn`) build on this module.
+The trainer needs three things from a model (micrograd's spirit: a protocol
+you can hold in your head):
+
+``params``
+    An ordered dict ``name -> array``. The names are stable ("fc1.weight",
+    "fc1.bias", ...) because checkpoints and the cross-rank agreement check
+    use them; the arrays are updated in place by the optimiser.
+``loss_and_grad(x, y, on_grad=None) -> (loss, grads, correct)``
+    The mean softmax cross-entropy of the batch as a Python float, the
+    gradients (a dict with the keys, shapes and dtypes of ``params``) and the
+    number of rows whose argmax is the label. ``on_grad(name, grad)``, if
+    given, is called as each gradient becomes final, last layer first, so the
+    trainer can start averaging them while backward continues.
+``evaluate(x, y, batch_size=...) -> (loss_sum, correct)``
+    Sums, not means, over the given rows: the trainer adds them across ranks.
+
+Subclass :class:`Model` (which derives ``evaluate`` from ``logits``) or write
+any object with those three members. A model that also keeps its parameters
+and gradients in one flat buffer each opts in to the fast tier by subclassing
+:class:`FlatModel` (the sharded optimizer step, in-place bucket reduction),
+checked once by :func:`flat_layout`; any other model is averaged through the
+plain allreduce. Arrays are whatever module the parameters live in (``xp``,
+CuPy's idiom); no model module imports CuPy.
 """
 
-import numpy as np
-
-from .. import backend
 from ..backend import address
+from .layers import check_batch_size, softmax_cross_entropy
 from .layout import FlatLayout
 
-__all__ = ["Model", "FlatModel", "flat_layout", "softmax_cross_entropy", "xent_in_place", "evaluate_in_chunks"]
+__all__ = ["Model", "FlatModel", "flat_layout"]
 
 
 class Model:
@@ -44,8 +60,7 @@ class Model:
         Sums rather than means so that the trainer can add them across ranks
         whose shards differ in size and divide once by the global count.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        check_batch_size(batch_size)
         loss_sum, correct = 0.0, 0
         for start in range(0, len(x), batch_size):
             stop = start + batch_size
@@ -53,46 +68,6 @@ class Model:
             loss_sum += chunk_loss
             correct += chunk_correct
         return loss_sum, correct
-
-
-def softmax_cross_entropy(logits, y, grad_scale=None):
-    """Return ``(loss_sum: float, correct: int, dlogits)`` for a batch of logits.
-
-    The loss is computed as ``logsumexp(z) - z[y]`` with the row maximum
-    subtracted first, so large logits cannot overflow ``exp``. With
-    ``grad_scale`` given, ``logits`` is OVERWRITTEN with
-    ``grad_scale * (softmax(z) - onehot(y))`` (pass ``1 / rows`` for the
-    gradient of the mean) and returned as ``dlogits``; otherwise ``logits``
-    is left alone and ``dlogits`` is None.
-    """
-    xp = backend.get_array_module(logits)
-    rows = xp.arange(logits.shape[0])
-    z = logits if grad_scale is not None else logits.copy()
-    loss_sum, correct = xent_in_place(xp, z, xp.asarray(y), rows, grad_scale)
-    return float(loss_sum), int(correct), (z if grad_scale is not None else None)
-
-
-def xent_in_place(xp, z, y, rows, grad_scale):
-    """Softmax cross-entropy of logits ``z`` in place: ``(loss_sum, correct)`` as device scalars.
-
-    With ``grad_scale`` given, ``z`` is left holding ``grad_scale * (softmax(z) - onehot(y))``;
-    otherwise ``z`` is left holding ``exp(z - max)``. ``rows`` is ``xp.arange(len(z))``. Models'
-    fast paths use it; :func:`softmax_cross_entropy` is the safe wrapper.
-    """
-    # Works in place on z and returns device scalars: on a GPU, turning them
-    # into Python numbers would wait for the kernels, so callers do it last.
-    correct = xp.count_nonzero(xp.argmax(z, axis=1) == y)
-    z -= z.max(axis=1, keepdims=True)
-    picked = z[rows, y]
-    xp.exp(z, out=z)
-    sumexp = z.sum(axis=1, keepdims=True)
-    # float64 accumulation keeps the batch sum from drifting with batch size.
-    loss_sum = (xp.log(sumexp[:, 0]) - picked).sum(dtype=np.float64)
-    if grad_scale is not None:
-        z /= sumexp
-        z[rows, y] -= 1.0
-        z *= grad_scale
-    return loss_sum, correct
 
 
 class FlatModel(Model):
@@ -187,20 +162,6 @@ class FlatModel(Model):
         self.grads.update(self._layout.views(grad_buffer, shapes))
 
 
-def dense_init(rng, sizes, host):
-    """Add ``fc1`` ... weights and zero biases for layer ``sizes`` to ``host``, drawn from ``rng``.
-
-    He init for layers feeding a ReLU; LeCun (std 1/sqrt(fan_in)) for the
-    last, the logits.
-    """
-    last = len(sizes) - 2
-    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
-        std = np.sqrt((2.0 if i < last else 1.0) / fan_in)
-        host[f"fc{i + 1}.weight"] = rng.standard_normal((fan_in, fan_out)) * std
-        host[f"fc{i + 1}.bias"] = np.zeros(fan_out)
-    return host
-
-
 def flat_layout(model):
     """The verified layout of a :class:`FlatModel`; None for a model that did not opt in.
 
@@ -208,20 +169,3 @@ def flat_layout(model):
         ValueError: for a FlatModel whose buffers break the contract.
     """
     return model.layout() if isinstance(model, FlatModel) else None
-
-
-def evaluate_in_chunks(xp, x, y, rows_per_chunk, logits_and_rows):
-    """``(loss_sum: float, correct: int)`` over ``x`` a chunk at a time, for models with reused buffers.
-
-    ``logits_and_rows(xb)`` runs the forward pass into the model's own
-    buffers and returns the logits (which the loss may overwrite) and
-    ``xp.arange(len(xb))``. The sums stay on the device until the end, so a
-    GPU is not waited on once per chunk.
-    """
-    loss_sum, correct = 0.0, 0
-    for start in range(0, x.shape[0], rows_per_chunk):
-        xb, yb = x[start:start + rows_per_chunk], y[start:start + rows_per_chunk]
-        logits, rows = logits_and_rows(xb)
-        chunk_loss, chunk_correct = xent_in_place(xp, logits, yb, rows, None)
-        loss_sum, correct = loss_sum + chunk_loss, correct + chunk_correct
-    return float(loss_sum), int(correct)

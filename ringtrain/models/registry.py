@@ -1,30 +1,9 @@
-"""Models with an explicit backward pass, written once for NumPy and CuPy.
+"""The models by name: ``build_model("mlp", ...)``, and :func:`register_model` to add one.
 
-The trainer needs three things from a model (micrograd's spirit: a protocol
-you can hold in your head):
-
-``params``
-    An ordered dict ``name -> array``. The names are stable ("fc1.weight",
-    "fc1.bias", ...) because checkpoints and the cross-rank agreement check
-    use them; the arrays are updated in place by the optimiser.
-``loss_and_grad(x, y, on_grad=None) -> (loss, grads, correct)``
-    The mean softmax cross-entropy of the batch as a Python float, the
-    gradients (a dict with the keys, shapes and dtypes of ``params``) and the
-    number of rows whose argmax is the label. ``on_grad(name, grad)``, if
-    given, is called as each gradient becomes final, last layer first, so the
-    trainer can start averaging them while backward continues.
-``evaluate(x, y, batch_size=...) -> (loss_sum, correct)``
-    Sums, not means, over the given rows: the trainer adds them across ranks.
-
-Subclass :class:`Model` (which derives ``evaluate`` from ``logits``) or write
-any object with those three members. A model that also keeps its parameters
-and gradients in one flat buffer each opts in to the fast tier by subclassing
-:class:`FlatModel` (the sharded optimizer step, in-place bucket reduction);
-any other model is averaged through the plain allreduce. The protocol lives
-in :mod:`ringtrain.models.base`; this module holds the MLP and the registry
-of models by name (``mlp``, ``softmax``, and the CNN of :mod:`ringtrain.models.cnn`).
-Arrays are whatever module the parameters live in (``xp``, CuPy's idiom);
-this module never imports CuPy.
+The built-ins are ``mlp`` and ``softmax`` (:class:`ringtrain.models.mlp.MLP`,
+the latter with no hidden layers) and ``cnn`` (:class:`ringtrain.models.cnn.CNN`).
+A name maps to a builder, a plain function; what a model must provide is the
+protocol of :mod:`ringtrain.models.base`.
 
 Example::
 
@@ -38,144 +17,9 @@ import operator
 import numpy as np
 
 from .cnn import CNN
-from .base import (FlatModel, Model, dense_init, evaluate_in_chunks, flat_layout, softmax_cross_entropy,
-                         xent_in_place)
+from .mlp import MLP
 
-__all__ = [
-    "Model",
-    "FlatModel",
-    "flat_layout",
-    "MLP",
-    "MODELS",
-    "build_model",
-    "register_model",
-    "takes_option",
-    "softmax_cross_entropy",
-    "xent_in_place",
-]
-
-
-class MLP(FlatModel):
-    """Fully connected layers with ReLU between them and softmax cross-entropy on top.
-
-    With no hidden layers this is multinomial logistic regression (the
-    "softmax" model). Layer ``i`` (from 1) has ``fc{i}.weight`` of shape
-    ``(fan_in, fan_out)`` (so a layer is ``x @ W + b``) and ``fc{i}.bias``.
-
-    Buffers: the gradients returned by :meth:`loss_and_grad` are the SAME
-    array objects on every call, overwritten each time (the trainer reduces
-    them in place; copy them to keep them). They are views into one flat
-    array, :attr:`grad_buffer`, laid out in the order ``on_grad`` delivers
-    them, so a run of consecutive gradients is one contiguous slice. The
-    parameters are views into :attr:`param_buffer`, laid out the same way,
-    so element ``i`` of one buffer is the gradient of element ``i`` of the
-    other (a rank updating a range of the parameters reads that range of the
-    gradients). Activations are kept per batch size and reused across steps.
-    """
-
-    def __init__(self, sizes, xp=np, seed=0, dtype=np.float32):
-        self.sizes = tuple(sizes)
-        self.dtype = np.dtype(dtype)
-        self.xp = xp
-        rng = np.random.default_rng(seed)
-        self._init_from_host(dense_init(rng, self.sizes, {}), xp, self.dtype)
-        self._buffers = {}
-
-    def __repr__(self):
-        return f"MLP(sizes={self.sizes}, dtype={self.dtype.name}, xp={self.xp.__name__})"
-
-    def _layers(self):
-        return [(self.params[f"fc{i}.weight"], self.params[f"fc{i}.bias"]) for i in range(1, len(self.sizes))]
-
-    def _buffers_for(self, n):
-        # Activations for one batch size; the last batch of an epoch may differ,
-        # so keep a few sizes rather than reallocating every step.
-        bufs = self._buffers.get(n)
-        if bufs is None:
-            if len(self._buffers) >= 4:
-                self._buffers.clear()
-            xp, dt = self.xp, self.dtype
-            acts = [xp.empty((n, width), dtype=dt) for width in self.sizes[1:]]
-            deltas = [xp.empty((n, width), dtype=dt) for width in self.sizes[1:-1]]
-            bufs = self._buffers[n] = (acts, deltas, xp.arange(n))
-        return bufs
-
-    def _check(self, x, y=None):
-        xp = self.xp
-        x = xp.asarray(x, dtype=self.dtype)
-        if x.ndim != 2 or x.shape[1] != self.sizes[0]:
-            raise ValueError(f"x must have shape (rows, {self.sizes[0]}), got {tuple(x.shape)}")
-        if y is None:
-            return x
-        y = xp.asarray(y)
-        if y.shape != (x.shape[0],):
-            raise ValueError(f"y must have shape ({x.shape[0]},) to match x, got {tuple(y.shape)}")
-        if y.dtype.kind not in "iu":
-            raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
-        return x, y
-
-    def _forward(self, x, acts):
-        h = x
-        layers = self._layers()
-        for i, (w, b) in enumerate(layers):
-            z = acts[i]
-            self.xp.matmul(h, w, out=z)
-            z += b
-            if i < len(layers) - 1:
-                self.xp.maximum(z, 0, out=z)  # ReLU in place; z > 0 is also its derivative mask
-            h = z
-        return h
-
-    def logits(self, x):
-        """Return the logits for ``x`` as a new array (safe to keep)."""
-        x = self._check(x)
-        acts = [self.xp.empty((x.shape[0], width), dtype=self.dtype) for width in self.sizes[1:]]
-        return self._forward(x, acts)
-
-    def evaluate(self, x, y, batch_size=1024):
-        """Return ``(loss_sum: float, correct: int)`` summed over the rows of ``x``."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        x, y = self._check(x, y)
-
-        def logits_and_rows(xb):
-            acts, _, rows = self._buffers_for(xb.shape[0])
-            return self._forward(xb, acts), rows
-
-        return evaluate_in_chunks(self.xp, x, y, batch_size, logits_and_rows)
-
-    def loss_and_grad(self, x, y, on_grad=None):
-        """Return ``(loss, grads, correct)`` for one batch; see the module docstring.
-
-        ``grads`` holds this model's reused buffers (see the class docstring).
-        With CuPy, ``on_grad`` receives ``grad`` while its kernel may still be
-        queued: synchronise (``backend.synchronize``) before giving it to MPI.
-        """
-        xp = self.xp
-        x, y = self._check(x, y)
-        n = x.shape[0]
-        if n == 0:
-            raise ValueError("cannot take the loss of an empty batch (0 rows)")
-        acts, deltas, rows = self._buffers_for(n)
-        logits = self._forward(x, acts)
-        loss_sum, correct = xent_in_place(xp, logits, y, rows, grad_scale=1.0 / n)
-        g = logits  # now d(mean loss)/d(logits)
-        layers = self._layers()
-        for i in range(len(layers) - 1, -1, -1):
-            w = layers[i][0]
-            h = acts[i - 1] if i > 0 else x
-            gw, gb = self.grads[f"fc{i + 1}.weight"], self.grads[f"fc{i + 1}.bias"]
-            xp.sum(g, axis=0, out=gb)
-            xp.matmul(h.T, g, out=gw)
-            if on_grad is not None:
-                on_grad(f"fc{i + 1}.bias", gb)
-                on_grad(f"fc{i + 1}.weight", gw)
-            if i > 0:  # the input layer needs no gradient with respect to x
-                d = deltas[i - 1]
-                xp.matmul(g, w.T, out=d)
-                d *= h > 0
-                g = d
-        return float(loss_sum) / n, self.grads, int(correct)
+__all__ = ["MODELS", "MAX_PARAMETERS", "build_model", "register_model", "takes_option"]
 
 
 def _size(what, value, minimum):

@@ -52,7 +52,7 @@ import numpy as np
 
 from .. import backend
 from .interop import as_array, as_tensor
-from ..models.registry import FlatModel
+from ..models.base import FlatModel
 
 __all__ = ["TorchModel"]
 

@@ -29,7 +29,8 @@ from ..io.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
 from ..data.load import load_sharded
 from ..errors import UsageError
 from ..failure import agree
-from ..models.registry import build_model, flat_layout, takes_option
+from ..models.base import flat_layout
+from ..models.registry import build_model, takes_option
 from ..optim import build_optimizer, learning_rate, scaled_lr
 from ..io.safeio import os_reason
 from ..data.sharding import EpochPlan

@@ -49,7 +49,7 @@ from ..comm.cuda_aware import cuda_aware
 from ..comm.policy import SMALL_VALUES, choose_transport
 from ..comm.state import release, state_of
 from ..comm.transports import create_transport
-from ..models.registry import flat_layout
+from ..models.base import flat_layout
 
 __all__ = ["ShardedStep", "shardable"]
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..comm.buckets import allreduce_many_, plan_buckets
 from ..comm.reducer import Reducer
-from ..models.registry import flat_layout
+from ..models.base import flat_layout
 from .sharded import ShardedStep, shardable
 
 __all__ = ["Slot", "STOP_REASONS", "VERDICTS", "stop_reason", "fill_metrics", "Phases", "Strategy",

@@ -14,7 +14,7 @@ from ringtrain import backend
 from ringtrain.comm import allreduce_
 from ringtrain.comm.state import CommState
 from ringtrain.comm.transports import create_transport
-from ringtrain.models.registry import build_model, flat_layout
+from ringtrain.models import build_model, flat_layout
 from ringtrain.optim import build_optimizer
 from ringtrain.training.sharded import ShardedStep
 

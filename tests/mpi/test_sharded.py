@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from ringtrain.comm import allreduce_
 from ringtrain.comm.policy import WINDOW_BYTES
-from ringtrain.models.registry import build_model, flat_layout
+from ringtrain.models import build_model, flat_layout
 from ringtrain.optim import build_optimizer
 from ringtrain.training.sharded import ShardedStep
 

@@ -25,7 +25,7 @@ def test_batches_are_writeable_copies():
     batches = [rows for _, rows in plan.batches(0)]
     assert all(rows.flags.writeable and rows.dtype == np.int64 for rows in batches)
     batches[0][:] = -1  # the plan's own order is untouched
-    assert np.array_equal(plan.batch(0, 0), plan.epoch_order(0)[:8]) and plan.batch(0, 0).min() >= 0
+    assert np.array_equal(plan.batch_indices(0, 0), plan.epoch_order(0)[:8]) and plan.batch_indices(0, 0).min() >= 0
 
 
 @pytest.mark.parametrize("change, message", [

@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 from ringtrain.io.checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint, save_checkpoint
 from ringtrain.training.config import TrainConfig, load_config_file, validate
-from ringtrain.data.load import MAX_CLASSES, load_sharded
+from ringtrain.data.load import load_sharded
+from ringtrain.data.sources import MAX_CLASSES
 from ringtrain.errors import UsageError
 from ringtrain.models.registry import MAX_PARAMETERS, build_model
 from ringtrain.io.safeio import (GiB, MiB, file_kind, human_bytes, one_line, open_regular, os_reason, read_regular)

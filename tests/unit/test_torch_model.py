@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringtrain import backend
-from ringtrain.models.registry import flat_layout
+from ringtrain.models.base import flat_layout
 from ringtrain.optim import build_optimizer
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
