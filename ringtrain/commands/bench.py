@@ -194,34 +194,12 @@ def np_empty_pinned_like(x):
 
 
 def _gloo_group(comm):
-    """A torch.distributed gloo group over ``comm``'s ranks, or None without torch with CUDA."""
+    """torch's gloo all_reduce as a contestant on CUDA tensors, or None where torch (with CUDA) is missing."""
     try:
-        import torch
-        import torch.distributed as dist
+        from ..torch.peers import gloo_allreduce
     except ImportError:
         return None
-    if not torch.cuda.is_available():
-        return None
-    import socket
-
-    address = comm.bcast(socket.gethostname() if comm.Get_rank() == 0 else None, root=0)
-    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
-
-    def contestant(x):
-        tensor = torch.from_dlpack(x)  # zero-copy: the same device memory
-        return lambda: dist.all_reduce(tensor)
-
-    return contestant
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return gloo_allreduce(comm)
 
 
 def run(args):
