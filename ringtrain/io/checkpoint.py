@@ -27,6 +27,7 @@ directory, so a crash at any moment leaves either the old set of checkpoints
 or the old set plus the new one, never a half-written ``ckpt-*.npz``.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -38,6 +39,7 @@ import zipfile
 import numpy as np
 
 from ..errors import UsageError
+from .rundir import create_new
 from .safeio import open_regular, physical_memory
 
 __all__ = [
@@ -271,7 +273,10 @@ def _write_atomically(directory, final, arrays, meta):
     temp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(temp, "wb") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)  # a leftover of a dead process that had our pid, or a planted link
+        # O_EXCL | O_NOFOLLOW: never written through a symbolic link in the run directory.
+        with os.fdopen(create_new(temp), "wb") as f:
             _write_npz(f, arrays, meta)
             f.flush()
             os.fsync(f.fileno())

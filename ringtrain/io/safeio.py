@@ -19,11 +19,12 @@ import errno
 import fcntl
 import os
 import stat
+import unicodedata
 
 from ..errors import UsageError
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "open_regular", "read_regular", "file_kind", "os_reason",
-           "one_line", "human_bytes", "physical_memory"]
+           "one_line", "printable", "human_bytes", "physical_memory"]
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -81,6 +82,34 @@ def one_line(text, limit=300):
     """``text`` as one line of at most ``limit`` characters: whitespace runs become one space, "..." if cut."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
+# Control characters (an ESC starts a terminal escape sequence), lone
+# surrogates (a non-UTF-8 file name decoded by Python) and the bidirectional
+# overrides that make text read differently from what it is.
+_UNPRINTABLE = ("Cc", "Cs")
+_BIDI = {"\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"}
+
+
+def printable(text):
+    """``text`` safe to print on a terminal: control characters and the like written as escapes (pure).
+
+    An ESC from a config file or a file name must not reach the terminal,
+    where it could rewrite the screen or the window title; ``\\x1b[2J``
+    shows what was there instead. Tabs and newlines are escaped too: what
+    ringtrain prints is one line.
+    """
+    text = str(text)
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if unicodedata.category(ch) in _UNPRINTABLE or ch in _BIDI:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def physical_memory():

@@ -7,6 +7,7 @@ and nothing (not even the run directory) is written.
 """
 
 import dataclasses
+import json
 import math
 import os
 
@@ -303,14 +304,16 @@ def coerce(name, value, source):
 
 
 def load_config_file(path):
-    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into a dict of settings.
+    """Read a TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON file into a dict of settings.
 
-    Keys may be written with dashes or underscores. Raises a one-line UsageError
-    for a missing, unreadable or malformed file.
+    JSON is what a run directory's ``config.json`` holds: every setting of
+    that run, so ``--config RUN_DIR/config.json`` runs it again without
+    retyping a command line. Keys may be written with dashes or underscores.
+    Raises a one-line UsageError for a missing, unreadable or malformed file.
     """
     ext = os.path.splitext(path)[1].lower()
-    if ext not in (".toml", ".yaml", ".yml"):
-        raise UsageError(f"--config {path}: expected a .toml, .yaml or .yml file", everywhere=True)
+    if ext not in (".toml", ".yaml", ".yml", ".json"):
+        raise UsageError(f"--config {path}: expected a .toml, .yaml, .yml or .json file", everywhere=True)
     # A FIFO, a device or a directory is refused without blocking; so is a huge file.
     raw = read_regular(path, "--config", CONFIG_MAX_BYTES, "config files", error=_everywhere)
     try:
@@ -323,6 +326,8 @@ def load_config_file(path):
             import tomllib
 
             data = tomllib.loads(text)
+        elif ext == ".json":
+            data = json.loads(text)
         else:
             data = _load_yaml(text, path)
     except UsageError:

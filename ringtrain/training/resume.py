@@ -35,6 +35,7 @@ from ..io.checkpoint import CheckpointError, latest_valid_checkpoint, read_check
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
 from ..failure import agree
+from ..io.rundir import write_json_atomic
 from ..io.safeio import KiB, read_regular
 from .config import flag_name, resume_differences
 
@@ -85,8 +86,6 @@ def read_lineage(run_dir, warn):
 
 def write_lineage(run_dir, lineage):
     """Record ``lineage`` as the run directory's current one (atomically; raises OSError)."""
-    from .runlog import write_json_atomic
-
     write_json_atomic(os.path.join(run_dir, LINEAGE_NAME), {"lineage": lineage.id, "parent": lineage.parent})
 
 

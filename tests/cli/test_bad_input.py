@@ -41,7 +41,9 @@ def make_inputs(tmp):
     os.makedirs(tmp / "noy")
     np.save(tmp / "noy" / "x.npy", x)
     text("ok.toml", "epochs = 1\n")
-    text("bad.json", "{}\n")
+    text("bad.json", "{\"epochs\": \n")
+    text("bad.ini", "epochs = 1\n")
+    text("nested.json", "[" * 100_000 + "]" * 100_000)
     text("syntax.toml", "epochs = \n")
     text("unknown.toml", "epoch = 3\n")
     text("type.toml", 'epochs = "ten"\n')
@@ -97,7 +99,9 @@ CASES = [
     ("device-gpu-without-one", train(*SMALL, "--device", "gpu"), "--device gpu needs a CUDA GPU"),
     # configuration files
     ("config-missing", train("--config", "{tmp}/nope.toml"), "--config {tmp}/nope.toml: no such file"),
-    ("config-json", train("--config", "{tmp}/bad.json"), "expected a .toml, .yaml or .yml file"),
+    ("config-ini", train("--config", "{tmp}/bad.ini"), "expected a .toml, .yaml, .yml or .json file"),
+    ("json-syntax", train("--config", "{tmp}/bad.json"), "bad.json: not valid JSON: "),
+    ("json-nested", train("--config", "{tmp}/nested.json"), "nested.json: not valid JSON: "),
     ("toml-syntax", train("--config", "{tmp}/syntax.toml"), "syntax.toml: not valid TOML: "),
     ("toml-unknown-key", train("--config", "{tmp}/unknown.toml"), "unknown setting 'epoch'"),
     ("toml-wrong-type", train("--config", "{tmp}/type.toml"), "setting 'epochs' must be int, got 'ten'"),
