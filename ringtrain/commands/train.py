@@ -100,12 +100,17 @@ def run(args, cfg):
     """
     from mpi4py import MPI
 
+    from ..io.console import launcher_stdout
     from ..training.loop import Diverged, train
     from ..training.stopping import EXIT_STATUS, stopped_line
 
     master = MPI.COMM_WORLD.Get_rank() == 0
+    # Rank 0 prints straight to mpirun's output, where a closed or full one
+    # is a warning; through MPI's forwarding it would end the job (see
+    # ringtrain.io.console).
+    stream = launcher_stdout() if master else None
     try:
-        result = train(cfg)
+        result = train(cfg, stream=stream)
     except Diverged as exc:  # raised on every rank at the same step: nobody waits, no abort
         if master:
             say(f"ringtrain: error: {exc.advice}")

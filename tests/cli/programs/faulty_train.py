@@ -124,6 +124,8 @@ def main(argv):
             sys.stdout.write(f"rank {comm.Get_rank()} digest {params_digest(result.params)}\n")
             sys.stdout.flush()
             if result.checkpoint is None:
+                sys.stdout.write(f"rank {comm.Get_rank()} newest {result.newest_checkpoint}\n")
+                sys.stdout.flush()
                 return FINAL_CHECKPOINT_MISSING
     except UsageError as exc:
         print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)
