@@ -144,7 +144,7 @@ def read_rows(source, part, bounds):
 
 def _mapped(array):
     while array is not None:
-        if isinstance(array, (np.memmap, mmap.mmap)):
+        if isinstance(array, mmap.mmap):  # the base of every np.memmap
             return True
         array = getattr(array, "base", None)
     return False
