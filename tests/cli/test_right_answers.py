@@ -112,3 +112,28 @@ def test_plot_on_odd_metrics_is_no_traceback(tmp_path, records):
     assert "Traceback" not in result.stderr, show(result)
     assert result.returncode == 0 or (result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1), \
         show(result)
+
+
+# --- a run that learned nothing, though nothing failed ------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_run_at_chance_accuracy_ends_with_a_warning(tmp_path, ranks):
+    # Every row the same: no model can tell the classes apart, and the balanced test set pins it at 1/3.
+    np.savez(tmp_path / "d.npz", x=np.zeros((240, 6), np.float32), y=np.arange(240) % 3,
+             x_test=np.zeros((30, 6), np.float32), y_test=np.arange(30) % 3)
+    result = mpirun(ranks, rt("train", "--dataset", str(tmp_path / "d.npz"), *FLAGS, "--run-dir",
+                              str(tmp_path / "run")), timeout=60)
+    assert result.returncode == 0, show(result)
+    warned = [line for line in result.stderr.splitlines() if line.startswith("ringtrain: warning: ")]
+    assert len(warned) == 1 and "test accuracy 33.33% is chance for 3 classes" in warned[0], show(result)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_loss_that_explodes_but_stays_finite_ends_with_a_warning(tmp_path, ranks):
+    flags = ["--dataset", "synthetic", "--samples", "400", "--features", "8", "--classes", "3", "--hidden", "8",
+             "--batch-size", "8", "--epochs", "3", "--no-progress", "--lr", "5", "--log-every", "5",
+             "--max-nonfinite", "1000", "--run-dir", str(tmp_path / "run")]
+    result = mpirun(ranks, rt("train", *flags), timeout=60)
+    assert result.returncode == 0, show(result)
+    assert "ringtrain: warning: the training loss rose from" in result.stderr, show(result)
+    assert "training diverged; lower --lr" in result.stderr, show(result)
