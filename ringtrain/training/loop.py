@@ -125,7 +125,6 @@ class _Run:
     """One :func:`train` call: its state, the loop, and what the loop calls."""
 
     def __init__(self, start):
-        self.start_record = start
         self.cfg, self.comm, self.spec, self.data, self.plan = start.cfg, start.comm, start.spec, start.data, start.plan
         self.model, self.opt, self.base_lr, self.log, self.xp = start.model, start.opt, start.lr, start.log, start.xp
         self.position, self.dog = start.position, start.dog
