@@ -162,3 +162,17 @@ def test_a_data_file_rewritten_while_it_is_read_is_named(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((10, 4), np.float32))  # between one rank's reads
     with pytest.raises(UsageError, match=rf"^{tmp_path}/x.npy: changed while this job was reading it"):
         read_rows(source, source.train, (40, 80))
+
+
+def test_a_run_directorys_settings_work_from_another_directory(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = run(rt("train", *SMALL, "--max-steps", "30", "--run-dir", "runs/x"), cwd=str(tmp_path / "a"), timeout=60)
+    assert first.returncode == 0, show(first)
+    run_dir = tmp_path / "a" / "runs" / "x"
+    # The recorded run_dir is relative to a/; from b/ it still means the run's own directory.
+    again = run(rt("train", "--resume", str(run_dir), "--max-steps", "40"), cwd=str(tmp_path / "b"), timeout=60)
+    assert again.returncode == 0, show(again)
+    assert "at step 30" in again.stdout and "done: step 40" in again.stdout, show(again)
+    assert not (tmp_path / "b" / "runs").exists()
+    assert 40 in [read_checkpoint(p)[1]["step"] for p in list_checkpoints(run_dir / "checkpoints")]
