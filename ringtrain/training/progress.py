@@ -125,8 +125,11 @@ class Progress:
         eta = eta_seconds(step - self.start_step, now - self.start, self.total - step, time_left)
         line = progress_line(epoch + 1, self.epochs, index, self.steps, loss_sum / samples if samples else None,
                              samples / (now - since) if now > since else None, eta)
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        try:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed or full stderr: progress is a nicety, training goes on
+            self.mode = None
 
     @contextlib.contextmanager
     def paused(self):
