@@ -104,17 +104,18 @@ def run(args, cfg):
     """
     from mpi4py import MPI
 
-    from ..io.console import launcher_stdout
+    from ..io.console import bypass_forwarding
     from ..training.loop import Diverged, train
     from ..training.stopping import EXIT_STATUS, stopped_line
 
     master = MPI.COMM_WORLD.Get_rank() == 0
-    # Rank 0 prints straight to mpirun's output, where a closed or full one
-    # is a warning; through MPI's forwarding it would end the job (see
-    # ringtrain.io.console).
-    stream = launcher_stdout() if master else None
+    if master:
+        # Rank 0 prints straight to mpirun's output, where a closed or full one
+        # is a warning; through MPI's forwarding it would end the job (see
+        # ringtrain.io.console).
+        bypass_forwarding()
     try:
-        result = train(cfg, stream=stream)
+        result = train(cfg)
     except Diverged as exc:  # raised on every rank at the same step: nobody waits, no abort
         if master:
             say(f"ringtrain: error: {exc.advice}")

@@ -4,8 +4,9 @@ Under ``mpirun`` a rank's stdout is a pipe to MPI's process manager, which
 copies it to ``mpirun``'s own stdout. When that output fails (``| head -1``
 has exited, ``>/dev/full``), ``mpirun`` itself gives up and kills every rank,
 whatever the rank does about it: training ends without a checkpoint. So
-rank 0 writes its lines straight to ``mpirun``'s output instead, where it can
-see the failure, warn once and go on (:class:`ringtrain.training.runlog.RunLog`).
+rank 0's stdout and stderr are pointed straight at ``mpirun``'s own, where
+rank 0 sees the failure, warns once and goes on
+(:class:`ringtrain.training.runlog.RunLog`, the progress lines).
 
 That is done only where it is safe: this rank's own stdout is the pipe MPI
 gave it (not a rank log of ``ringtrain launch -o``, which stays where it
@@ -21,7 +22,7 @@ import os
 import stat
 import sys
 
-__all__ = ["LAUNCHERS", "launcher_stdout"]
+__all__ = ["LAUNCHERS", "bypass_forwarding"]
 
 # Process names of the launchers whose stdout the ranks' output goes to.
 LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun")
@@ -59,46 +60,62 @@ def _launcher_pid():
     return None
 
 
-def _forwarded(stream):
-    """Whether ``stream`` is a pipe or socket, as MPI's process manager gives a rank to copy its output."""
+def _forwarded(fd):
+    """Whether ``fd`` is a pipe or socket, as MPI's process manager gives a rank to copy its output."""
     try:
-        mode = os.fstat(stream.fileno()).st_mode
-    except (OSError, ValueError, AttributeError):
+        mode = os.fstat(fd).st_mode
+    except OSError:
         return False
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
-def launcher_stdout():
-    """A text stream onto the launcher's own stdout, for rank 0's lines; None to keep ``sys.stdout``.
-
-    Returns None where no launcher is an ancestor, or its stdout is a regular
-    file (see the module's docstring); a stream that is already broken where
-    the output has no reader left (writing to it fails, and the caller
-    warns once).
-    """
-    if not _forwarded(sys.stdout):
-        return None  # our stdout is a file of our own (``launch -o``'s rank log) or a terminal: keep it
-    pid = _launcher_pid()
-    if pid is None:
-        return None
-    path = f"/proc/{pid}/fd/1"
+def _open_launchers(pid, fd):
+    """A new descriptor onto the launcher's own ``fd``; None to leave ours; a dead pipe where it has no reader."""
+    path = f"/proc/{pid}/fd/{fd}"
     try:
         mode = os.stat(path).st_mode
         if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
             return None
         # O_NONBLOCK: opening a pipe whose reader is gone fails (ENXIO) instead of waiting for one.
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+        new = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        return _Broken() if exc.errno == errno.ENXIO else None
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return os.fdopen(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+        if exc.errno != errno.ENXIO:
+            return None
+        read, new = os.pipe()  # a pipe with no reader: every write fails (EPIPE), as the real one would
+        os.close(read)
+        return new
+    fcntl.fcntl(new, fcntl.F_SETFL, fcntl.fcntl(new, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return new
 
 
-class _Broken:
-    """An output with no reader: every write fails as the real one would."""
+def bypass_forwarding(fds=(1, 2)):
+    """Point this process's stdout and stderr straight at the launcher's own, where that is safe.
 
-    def write(self, text):
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
-
-    def flush(self):
-        pass
+    Call it on rank 0 before it prints. Afterwards a closed or full output
+    fails rank 0's own writes (which :class:`ringtrain.training.runlog.RunLog`
+    turns into one warning) instead of ``mpirun``'s, which would end the job.
+    Returns the descriptors redirected (none where no launcher is an
+    ancestor, this process's output is not MPI's forwarding pipe, e.g. a rank
+    log of ``launch -o``, or the launcher's output is a regular file).
+    """
+    pid = None
+    done = []
+    for fd in fds:
+        if not _forwarded(fd):
+            continue
+        pid = pid or _launcher_pid()
+        if pid is None:
+            return done
+        new = _open_launchers(pid, fd)
+        if new is None:
+            continue
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream.fileno() == fd:
+                    stream.flush()  # what was written so far goes the old way, in order
+            except (OSError, ValueError):
+                pass
+        os.dup2(new, fd)
+        os.close(new)
+        done.append(fd)
+    return done

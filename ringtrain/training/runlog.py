@@ -152,9 +152,6 @@ class RunLog:
         stream, self.stream = self.stream, None
         if stream is sys.stdout:
             _silence_stdout()
-        else:
-            with contextlib.suppress(OSError, ValueError):
-                stream.close()  # the lines it still holds are lost either way
         self.warn("standard output cannot be written (closed or full); its lines are dropped, training goes on")
 
     def warn(self, line):
