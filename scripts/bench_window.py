@@ -68,7 +68,7 @@ def main(argv=None):
             if name == "mpi":
                 contestants[name] = lambda: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
             else:
-                contestants[name] = lambda name=name: allreduce_(x, "sum", comm, algorithm=name)
+                contestants[name] = lambda name=name: allreduce_(x, "sum", comm, transport=name)
         if old is not None:
             contestants["before"] = lambda: old.allreduce(x)
         times = np.empty((len(contestants), args.iters + 1))

@@ -146,8 +146,8 @@ class Suite:
         from ..comm import allreduce_
 
         comm = self.comm
-        ours = {"ring": lambda: allreduce_(x, "sum", comm, algorithm="ring"),
-                "auto": lambda: allreduce_(x, "sum", comm, algorithm="auto")}
+        ours = {"ring": lambda: allreduce_(x, "sum", comm, transport="ring"),
+                "auto": lambda: allreduce_(x, "sum", comm, transport="auto")}
         if self.device == "cpu":
             return {"mpi": lambda: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM), **ours}
         host = np_empty_pinned_like(x)

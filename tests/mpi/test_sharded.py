@@ -51,7 +51,7 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, na
     for step in range(5):
         x, y = batch(shape, step)
         reference.loss_and_grad(x, y)
-        allreduce_(reference.grad_buffer, op="mean", comm=comm, algorithm=algorithm)
+        allreduce_(reference.grad_buffer, op="mean", comm=comm, transport=algorithm)
         ref_opt.step(reference.params, reference.grads, 0.1)
         loss, _, correct = model.loss_and_grad(x, y)
         sharded.reduce_gradients()

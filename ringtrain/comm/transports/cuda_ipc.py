@@ -103,6 +103,7 @@ class CudaIpcTransport(Transport):
     """Reduce-scatter and allgather through CUDA IPC mappings; every rank on one host."""
 
     name = "cuda-ipc"
+    on_device = True
 
     def __init__(self, comm):
         super().__init__(comm)
@@ -114,7 +115,7 @@ class CudaIpcTransport(Transport):
         self._kernels = {}
 
     @classmethod
-    def create(cls, comm, shared_bytes=0):
+    def create(cls, comm, device=None, shared_bytes=0):
         """Collective; None unless every rank of ``comm`` shares one host and can map its peers' memory."""
         from mpi4py import MPI
 
