@@ -129,3 +129,27 @@ def test_create_declines_where_the_step_cannot_be_sharded():
     assert hierarchical_kind == ("local" if size == 1 else "hierarchical")
     # Past the cap: the ring; "shm" forced takes any size; "mpi" forced; small on one host: shared memory.
     assert kinds == (["local"] * 4 if size == 1 else ["ring", "shm", "mpi", "shm"])
+
+
+@pytest.mark.mpi
+def test_a_window_that_cannot_take_the_buffers_falls_back_instead_of_dying(monkeypatch):
+    # CUDA IPC maps two model-sized allocations after the transport is made;
+    # where any rank cannot (every rank hears it: the mapping is agreed), the
+    # step must give way to the allreduce, not end the run. The same path on
+    # the CPU window, whose share() is made to fail on every rank.
+    from ringtrain.comm.transports.shm import WindowTransport
+
+    def refuse(self, n, dtype):
+        raise RuntimeError("CUDA IPC is unavailable (rank 1: OutOfMemoryError)")
+
+    monkeypatch.setattr(WindowTransport, "share", refuse)
+    model, opt = model_and_optimizer(SHAPES[1], "sgd", {})
+    before = model.param_buffer
+    made = ShardedStep.create(model, opt, comm, "shm")
+    x = np.full(5, rank + 1.0)
+    allreduce_(x, "sum", comm)  # the ranks are still in step
+    kind = made.kind if made is not None else None
+    if made is not None:
+        made.close()
+    assert (kind == "local") if size == 1 else (made is None and model.param_buffer is before)
+    assert np.array_equal(x, np.full(5, size * (size + 1) / 2))

@@ -1,17 +1,23 @@
-"""The rank-order kernel's CUDA source, generated and checked without CuPy or a GPU.
+"""The GPU path's pure pieces, checked without CuPy or a GPU.
 
-The source is evaluated here by translating its C into Python: the same
+The rank-order kernel's CUDA source is evaluated here by translating its C into Python: the same
 statements in the same order, on NumPy scalars, against NumPy's own
 ``minimum``/``maximum``/``add`` folded over the ranks in rank order.
 """
 
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from ringtrain.backend import rank_order_source
+from ringtrain.comm.transports.cuda_ipc import describe_refusal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_source(body, operands):
@@ -55,3 +61,32 @@ def test_the_sum_adds_left_to_right():
 def test_any_other_combine_is_an_error_not_a_silent_max(name):
     with pytest.raises(ValueError, match=f"unknown combine '{name}'; choose one of add, maximum, minimum"):
         rank_order_source(3, name)
+
+
+def test_a_cuda_ipc_refusal_names_every_rank_that_failed_and_what_follows():
+    line = describe_refusal([None, "CUDARuntimeError: cudaErrorMapBufferObjectFailed", None, "OutOfMemoryError: x"])
+    assert line.startswith("CUDA IPC is unavailable (rank 1: CUDARuntimeError: cudaErrorMapBufferObjectFailed; "
+                           "rank 3: OutOfMemoryError: x); GPU allreduces stage through pinned host memory")
+    assert "\n" not in line
+
+
+def test_a_cpu_run_never_imports_cupy(tmp_path):
+    # Importing CuPy loads the CUDA libraries (0.5-1 s per rank). A stand-in
+    # cupy package on the path records whether anything imports it.
+    marker = tmp_path / "imported"
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                                   "raise ImportError('a stand-in, not CuPy')\n")
+    program = ("import numpy as np\n"
+               "import ringtrain, ringtrain.cli, ringtrain.comm, ringtrain.training.loop\n"
+               "from ringtrain import backend\n"
+               "x = np.ones(3)\n"
+               "assert not backend.is_gpu_array(x) and backend.get_array_module(x) is np\n"
+               "backend.synchronize(x); backend.use_device(None)\n"
+               "import os; print(os.path.exists({!r}))\n"
+               "print(backend.gpu_available(), os.path.exists({!r}))\n").format(str(marker), str(marker))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # Nothing imported it on the CPU path; asking for a GPU does (so the stand-in was on the path).
+    assert out.stdout.split() == ["False", "False", "True"]
