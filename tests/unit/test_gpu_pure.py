@@ -90,3 +90,15 @@ def test_a_cpu_run_never_imports_cupy(tmp_path):
     assert out.returncode == 0, out.stderr
     # Nothing imported it on the CPU path; asking for a GPU does (so the stand-in was on the path).
     assert out.stdout.split() == ["False", "False", "True"]
+
+
+@pytest.mark.parametrize("extra, package", [("cuda12", "cupy-cuda12x"), ("cuda13", "cupy-cuda13x")])
+def test_the_cuda_extras_bring_the_toolkit_libraries(extra, package):
+    # cupy-cudaXXx alone imports and sees the GPU, then fails at the first
+    # kernel compile (NVRTC) or matrix product (cuBLAS) on a bare machine.
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    requirements = config["options.extras_require"][extra].split()
+    assert requirements == [f"{package}[ctk]>=14"]
