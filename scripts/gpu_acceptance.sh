@@ -101,7 +101,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   if [ -f "$probe" ]; then
     run_mpi "IPC probe at 2 ranks" 2 "$py" "$probe" 16777216,67108864,268435456 | tee "$out/probe-2.txt"
   else
-    echo; echo "=== [IPC probe] not run: $probe is absent (see ../shared/gpu/README.md, or set RINGTRAIN_IPC_PROBE)"
+    echo; echo "=== [IPC probe] not run: $probe is absent (the probe is not part of ringtrain; set RINGTRAIN_IPC_PROBE to it)"
   fi
 fi
 

@@ -14,8 +14,9 @@ A step (:class:`ShardedStep`) is three collective phases:
 
 1. :meth:`~ShardedStep.reduce_gradients`: reduce-scatter the flat gradient
    buffer and divide this rank's chunk by N (the mean);
-2. :meth:`~ShardedStep.sum_small`: sum a few float64 values across ranks in
-   rank order: the trainer's step metrics, and a count of ranks whose chunk
+2. :meth:`~ShardedStep.sum_small`: sum a few float64 values across ranks,
+   the same on every rank (in rank order on the shared-memory window; in
+   MPI's order on the other transports): the trainer's step metrics, and a count of ranks whose chunk
    is not finite. No rank sees the whole gradient any more, so a step that
    must be skipped is agreed here, before any rank updates;
 3. :meth:`~ShardedStep.update` and :meth:`~ShardedStep.allgather`: update
@@ -41,6 +42,8 @@ date (the trainer calls it before each checkpoint, so checkpoints are those
 of an unsharded run). Memory is not partitioned: for the models ringtrain
 trains, the time is what matters.
 """
+
+import warnings
 
 import numpy as np
 
@@ -138,7 +141,7 @@ class ShardedStep:
         return chunk
 
     def sum_small(self, values):
-        """Phase 2 (collective): sum the float64 array ``values`` across ranks, in place, in rank order."""
+        """Phase 2 (collective): sum the float64 array ``values`` across ranks, in place, the same on every rank."""
         if values.dtype != np.float64 or values.ndim != 1 or values.size > SMALL_VALUES:
             raise ValueError(f"sum_small takes at most {SMALL_VALUES} float64 values, got {values.dtype} "
                              f"{values.shape}")
@@ -179,7 +182,9 @@ def _move_into_window(transport, model):
     gbuf = model.grad_buffer
     try:
         model.rebind(transport.share(gbuf.size, gbuf.dtype), transport.share(gbuf.size, gbuf.dtype))
-    except RuntimeError:  # raised on every rank alike: the mapping's success is agreed collectively
+    except RuntimeError as exc:  # raised on every rank alike: the mapping's success is agreed collectively
+        if transport.rank == 0:
+            warnings.warn(f"the sharded step falls back to the allreduce: {exc}", RuntimeWarning, stacklevel=3)
         return False
     return True
 
