@@ -50,7 +50,7 @@ def test_reducer_matches_allreduce_many_bitwise_and_mpi(compression, threaded):
     reference = mpi_mean(inputs)
     results = []
     with Reducer(comm, views, bucket_bytes=256, compression=compression, threaded=threaded) as reducer:
-        for step in range(2):  # a second step reuses everything
+        for _step in range(2):  # a second step reuses everything
             for name, a in zip(views, inputs):
                 views[name][...] = a
             for name in reversed(list(views)):  # out of order: buckets still start in order
