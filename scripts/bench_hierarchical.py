@@ -69,7 +69,8 @@ def main(argv=None):
         medians, error = timed(comm, x, reference, args.iters)
         error = comm.allreduce(error, op=MPI.MAX)
         bus = nbytes * 2 * (spec.size - 1) / spec.size
-        rows.append({"bytes": nbytes, "error": error, "ring_over_hierarchical": medians["ring"] / medians["hierarchical"],
+        rows.append({"bytes": nbytes, "error": error,
+                     "ring_over_hierarchical": medians["ring"] / medians["hierarchical"],
                      **{f"{k}_s": v for k, v in medians.items()},
                      **{f"{k}_busbw_gbs": bus / v / 1e9 for k, v in medians.items()}})
     if spec.rank != 0:

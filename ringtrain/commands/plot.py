@@ -263,6 +263,7 @@ def run(args):
     if spans is not None:
         rows, first = timeline_window(spans, 20 if args.from_step is None else args.from_step, args.steps)
         last = first + args.steps - 1
-        title = f"{_title(args.run_dir, metrics['starts'])}: " + (f"steps {first}-{last}" if last > first else f"step {first}")
+        span = f"steps {first}-{last}" if last > first else f"step {first}"
+        title = f"{_title(args.run_dir, metrics['starts'])}: {span}"
         print(draw_timeline(rows, os.path.join(out_dir, TIMELINE_FILENAME), title))
     return 0

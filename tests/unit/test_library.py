@@ -17,7 +17,7 @@ def test_interop_is_an_attribute_loaded_on_first_use():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        ringtrain.nope
+        _ = ringtrain.nope
 
 
 def test_batches_are_writeable_copies():

@@ -126,7 +126,8 @@ def test_load_state_dict_rejects_mismatches():
     opt = build_optimizer("sgd", make_params(), lr=0.1)
     state = opt.state_dict()
     with pytest.raises(ValueError, match=r"missing \['momentum/fc1.bias'\], unexpected \['momentum/fc9.bias'\]"):
-        opt.load_state_dict({"momentum/fc1.weight": state["momentum/fc1.weight"], "momentum/fc9.bias": state["momentum/fc1.bias"]})
+        opt.load_state_dict({"momentum/fc1.weight": state["momentum/fc1.weight"],
+                             "momentum/fc9.bias": state["momentum/fc1.bias"]})
     bad = dict(state, **{"momentum/fc1.bias": np.zeros(4)})
     with pytest.raises(ValueError, match=r"'momentum/fc1.bias' has shape \(4,\)"):
         opt.load_state_dict(bad)
