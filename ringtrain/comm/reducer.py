@@ -44,6 +44,7 @@ place, as a NumPy one is.
 
 
 import contextlib
+import functools
 import queue
 import threading
 
@@ -243,7 +244,7 @@ class Reducer:
         bucket = self.buckets[k]
         members = [self._current[i] for i in bucket.indices]
         flat, in_place = bucket.buffer_for(members, [self.arrays[i] for i in bucket.indices])
-        job = lambda: self._reduce(bucket, flat, None if in_place else members)  # noqa: E731
+        job = functools.partial(self._reduce, bucket, flat, None if in_place else members)
         if self._worker is not None:
             # Ordered after the gradients' kernels by an event, not a host sync (see the module docstring).
             self._worker.submit(job, backend.record_event(flat))
