@@ -16,7 +16,7 @@
 #      is missing;
 #   2. tests: the GPU tests under mpirun at 2, 3 and 4 ranks sharing the GPU (tests/mpi/test_cuda_ipc.py,
 #      tests/mpi/test_gpu.py, the CuPy cases of tests/mpi/test_collectives.py), the GPU unit tests, and
-#      exiting right after an allreduce (tests/cli/test_gpu_exit.py);
+#      exiting right after an allreduce and `ringtrain info` on CUDA IPC (tests/cli/test_gpu_cli.py);
 #   3. bench: `ringtrain bench allreduce --device gpu` at 2 ranks, 16 MiB to 256 MiB, and the CUDA IPC
 #      probe beside it (.gpu/ipc_probe.py, or the file RINGTRAIN_IPC_PROBE names; not part of ringtrain);
 #   4. train: mnist5k (784-512-512-10, batch 64, 2 ranks) on the GPU with an empty kernel cache, then
@@ -91,7 +91,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   done
   step "GPU unit tests" "$py" -m pytest -q -rs -p no:cacheprovider -m gpu tests/unit/test_models.py \
     tests/unit/test_cnn.py tests/unit/test_torch_model.py
-  step "exit after an allreduce" "$py" -m pytest -q -rs -p no:cacheprovider tests/cli/test_gpu_exit.py
+  step "GPU commands (exit after an allreduce, info)" "$py" -m pytest -q -rs -p no:cacheprovider tests/cli/test_gpu_cli.py
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -151,12 +151,11 @@ def test_ipc_handles_are_refused_for_pool_memory(cp):
 @pytest.mark.mpi
 def test_cuda_ipc_set_up_failures_are_agreed_and_explained(cp):
     dup = comm.Dup()
-    transport = CudaIpcTransport.create(dup)
-    problems = transport._slots.problems if transport is not None else None
+    transport, why = CudaIpcTransport.attempt(dup)
     if transport is not None:
         transport.close()
     dup.Free()
-    assert size == 1 or (problems is not None and all(p is None for p in problems)), problems
+    assert transport is not None and why is None, why
 
 
 @needs_torch_cuda

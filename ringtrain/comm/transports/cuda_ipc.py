@@ -125,28 +125,42 @@ class CudaIpcTransport(Transport):
 
     @classmethod
     def create(cls, comm, device=None, shared_bytes=0):
-        """Collective; None unless every rank of ``comm`` shares one host and can map its peers' memory."""
+        """Collective; None unless every rank of ``comm`` shares one host and can map its peers' memory.
+
+        Where every rank has a GPU but the mapping fails, rank 0 warns with
+        every rank's reason (the collectives then run at host speed).
+        """
+        transport, why = cls.attempt(comm)
+        if why is not None and comm.Get_rank() == 0:
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
+        return transport
+
+    @classmethod
+    def attempt(cls, comm):
+        """``(transport, None)``, or ``(None, why not)`` (collective; ``ringtrain info`` asks this too).
+
+        ``why`` is None where CUDA IPC does not apply at all: ranks on
+        several hosts, or a rank without a GPU.
+        """
         from mpi4py import MPI
 
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         usable = int(node.Get_size() == comm.Get_size() and backend.gpu_available())
         node.Free()
         if not comm.allreduce(usable, op=MPI.MIN):
-            return None
+            return None, None
         transport = cls(comm)
         if not transport._grow(1 << 20):
             why = describe_refusal(transport._slots.problems)
             transport.close()
-            if comm.Get_rank() == 0:
-                warnings.warn(why, RuntimeWarning, stacklevel=2)
-            return None
+            return None, why
         # A transport on COMM_WORLD is never closed by its communicator: peers
         # would still map our memory when it is freed at exit (undefined
         # behaviour, says cudaIpcOpenMemHandle's documentation). Every rank
         # made its transports in the same order, so every rank closes them in
         # the same order, collectively, before mpi4py finalizes MPI.
         atexit.register(_close_at_exit, weakref.ref(transport))
-        return transport
+        return transport, None
 
     def share(self, n, dtype):
         """A 1-D CuPy array of ``n`` elements in this rank's own mapped memory (collective).

@@ -1,11 +1,14 @@
-"""Exiting right after a GPU allreduce: every rank ends cleanly, with the right result (needs a GPU)."""
+"""Whole commands on a GPU: exiting right after an allreduce ends every rank cleanly; info says whether CUDA IPC works.
+
+Needs a GPU; elsewhere every test is collected and skipped with the reason.
+"""
 
 import os
 import re
 import sys
 
 import pytest
-from mpirun import ROOT, mpirun, show
+from mpirun import ROOT, mpirun, ringtrain, show
 
 from ringtrain import backend
 
@@ -23,3 +26,12 @@ def test_exiting_right_after_an_allreduce_ends_every_rank_cleanly(ranks, how):
     # Ranks' lines may interleave on mpirun's output: find them, not split it.
     assert sorted(re.findall(r"rank (\d+): ([\d.]+)", result.stdout)) == [(str(r), str(want)) for r in range(ranks)]
     assert "CUDA" not in result.stderr and "rror" not in result.stderr, show(result)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_info_says_whether_cuda_ipc_serves_the_ranks(ranks):
+    # Where it cannot (containers, MIG, no peer access), GPU allreduces run at host speed: info says why.
+    result = mpirun(ranks, ringtrain("info"), timeout=120)
+    assert result.returncode == 0, show(result)
+    line = [li for li in result.stdout.splitlines() if li.startswith("CUDA IPC among these ranks: ")]
+    assert line and line[0].split(": ", 1)[1].startswith("yes"), show(result)
