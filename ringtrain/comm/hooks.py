@@ -55,14 +55,18 @@ def allreduce_hook(op="mean", transport="auto", compression=None):
         transport: ``"auto"``, ``"shm"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
         compression: None, or ``"fp16"`` (see :func:`~ringtrain.comm.buckets.allreduce_many_`).
     """
-    wires = {}  # bucket index -> its float16 wire buffer, made on first use
+    # Each bucket's float16 wire buffer, made on first use. Keyed by the
+    # communicator's state too: one hook may serve several Reducers, each
+    # reducing on its own thread and its own duplicate communicator.
+    wires = {}
 
     def hook(state, bucket):
         flat, wire = bucket.buffer, None
         if travels_as_fp16(np.dtype(flat.dtype), compression, state.size):
-            wire = wires.get(bucket.index)
+            key = (id(state), bucket.index, flat.size, backend.device_of(flat))
+            wire = wires.get(key)
             if wire is None:
-                wire = wires[bucket.index] = backend.get_array_module(flat).empty(flat.size, np.float16)
+                wire = wires[key] = backend.get_array_module(flat).empty(flat.size, np.float16)
         reduce_bucket(state, "Reducer", flat, wire, op, transport, bucket.narrays, bucket.signature, NO_PROBLEM)
 
     hook.compression = compression
