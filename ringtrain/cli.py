@@ -83,8 +83,31 @@ def _is_collective(name):
 _HELP = "asked for --help instead of a run; give every rank the same command line"
 
 
+def wants_gpu(argv):
+    """True when the command line asks for ``--device gpu`` (pure; a config file's choice is found later)."""
+    return any(word == "--device=gpu" or (word == "--device" and nxt == "gpu")
+               for word, nxt in zip(argv, argv[1:] + [None]))
+
+
+def _device_before_mpi(argv):
+    # A CUDA-aware MPI (Open MPI with UCX, GPU-enabled MPICH) may set up CUDA
+    # on the current device inside MPI_Init, which mpi4py calls on import:
+    # left alone, every rank would hold a context on GPU 0 and get GPU 0's
+    # affinity. The launcher's local rank is known before then; the trainer
+    # makes the same choice later from MPI's own view (TaskSpec.device).
+    import os
+
+    from . import backend
+    from .cluster.launch import local_rank_from_env
+
+    local = local_rank_from_env(os.environ)
+    if local is not None and wants_gpu(argv) and backend.gpu_available():
+        backend.use_device(local % backend.device_count())
+
+
 def _main_collective(argv):
     """Parse and check on this rank, agree with every rank, then run (collective)."""
+    _device_before_mpi(argv)
     from mpi4py import MPI
 
     from .failure import verdict_of

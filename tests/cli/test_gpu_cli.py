@@ -35,3 +35,20 @@ def test_info_says_whether_cuda_ipc_serves_the_ranks(ranks):
     assert result.returncode == 0, show(result)
     line = [li for li in result.stdout.splitlines() if li.startswith("CUDA IPC among these ranks: ")]
     assert line and line[0].split(": ", 1)[1].startswith("yes"), show(result)
+
+
+def test_the_gpu_is_chosen_before_mpi_starts():
+    # A CUDA-aware MPI may set up CUDA on the current device in MPI_Init: the
+    # CLI picks the device from the launcher's local rank before mpi4py is imported.
+    program = ("import sys\n"
+               "from ringtrain import cli\n"
+               "cli._device_before_mpi(['train', '--device', 'gpu'])\n"
+               "import cupy\n"
+               "before, early = cupy.cuda.runtime.getDevice(), 'mpi4py.MPI' not in sys.modules\n"
+               "from mpi4py import MPI\n"
+               "from ringtrain.cluster.topology import TaskSpec\n"
+               "spec = TaskSpec.from_mpi(MPI.COMM_WORLD)\n"
+               "print('device', spec.rank, before == spec.device, early)\n")
+    result = mpirun(3, [sys.executable, "-c", program], timeout=120)
+    assert result.returncode == 0, show(result)
+    assert sorted(re.findall(r"device (\d) (\w+) (\w+)", result.stdout)) == [(str(r), "True", "True") for r in range(3)]

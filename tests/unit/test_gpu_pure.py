@@ -102,3 +102,36 @@ def test_the_cuda_extras_bring_the_toolkit_libraries(extra, package):
     config.read(os.path.join(ROOT, "setup.cfg"))
     requirements = config["options.extras_require"][extra].split()
     assert requirements == [f"{package}[ctk]>=14"]
+
+
+@pytest.mark.parametrize("env, local", [({"MPI_LOCALRANKID": "3"}, 3), ({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, 1),
+                                        ({"SLURM_LOCALID": "2", "PMI_RANK": "7"}, 2), ({"PMI_RANK": "7"}, None),
+                                        ({"MPI_LOCALRANKID": ""}, None)])
+def test_the_local_rank_is_known_before_mpi_starts(env, local):
+    # A CUDA-aware MPI may set up CUDA on the current device in MPI_Init: the
+    # device is chosen from the launcher's local rank before mpi4py is imported.
+    from ringtrain.cluster.launch import local_rank_from_env
+
+    assert local_rank_from_env(env) == local
+
+
+@pytest.mark.parametrize("argv, gpu", [(["train", "--device", "gpu"], True),
+                                       (["bench", "allreduce", "--device=gpu"], True),
+                                       (["train", "--device", "cpu"], False), (["train", "--dataset", "gpu"], False),
+                                       (["train", "--device"], False), ([], False)])
+def test_a_gpu_run_is_recognised_from_its_command_line(argv, gpu):
+    from ringtrain.cli import wants_gpu
+
+    assert wants_gpu(argv) is gpu
+
+
+def test_a_cpu_command_line_chooses_no_device_before_mpi(tmp_path):
+    # Even with a launcher's local rank set, a CPU run must not import CuPy (the stand-in would record it).
+    marker = tmp_path / "imported"
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                                   "raise ImportError('a stand-in, not CuPy')\n")
+    program = "from ringtrain import cli\ncli._device_before_mpi(['train', '--device', 'cpu'])\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]), MPI_LOCALRANKID="1")
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not marker.exists(), out.stderr
