@@ -26,6 +26,8 @@
 #
 # Every step has a time bound (STEP_TIMEOUT seconds, default 420). Files go to RINGTRAIN_ACCEPTANCE_DIR
 # (default: a fresh temporary directory). The exit status is the number of failed steps and missed targets.
+# Where one command may run only so long, run `tests`, `bench` and `train` as three commands with the same
+# RINGTRAIN_ACCEPTANCE_DIR: each ends with the table of everything that directory holds so far.
 set -u
 cd "$(dirname "$0")/.."
 what=${1:-all}
