@@ -50,8 +50,11 @@ command -v "$mpirun" >/dev/null 2>&1 || missing+=("mpirun (an MPI runtime: the m
 for module in mpi4py pytest pytest_mpi mlxtend ringtrain; do
   "$py" -c "import $module" >/dev/null 2>&1 || missing+=("the Python module $module")
 done
-if ! out=$("$py" -c 'import cupy as cp; a = cp.ones((2, 2), cp.float32); assert float((a @ a + 1).sum()) == 12.0' 2>&1); then
-  missing+=("CuPy that compiles a kernel and multiplies matrices (NVRTC and cuBLAS; the [ctk] in the cuda12/cuda13 extras): ${out##*$'\n'}")
+# Without NVRTC or cuBLAS CuPy still imports and sees the GPU; the first kernel or matrix product fails.
+check='import cupy as cp; assert cp.is_available(), "CuPy sees no GPU"; a = cp.ones((2, 2), cp.float32)
+assert float((a @ a + 1).sum()) == 12.0'
+if ! out=$("$py" -c "$check" 2>&1); then
+  missing+=("CuPy that sees the GPU, compiles a kernel and multiplies matrices (NVRTC and cuBLAS: the [ctk] in the cuda12/cuda13 extras): ${out##*$'\n'}")
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "gpu_acceptance: missing:"
@@ -68,7 +71,9 @@ fi
 out=${RINGTRAIN_ACCEPTANCE_DIR:-$(mktemp -d -t ringtrain-gpu-XXXXXX)}
 mkdir -p "$out"
 limit=${STEP_TIMEOUT:-420}
-echo "gpu_acceptance: $what; python $("$py" -c 'import sys; print(sys.version.split()[0])'), CuPy $("$py" -c 'import cupy; print(cupy.__version__)'), $("$mpirun" --version 2>&1 | head -1); files in $out"
+versions='import sys, cupy; from mpi4py import MPI
+print(f"python {sys.version.split()[0]}, CuPy {cupy.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}")'
+echo "gpu_acceptance: $what; $("$py" -c "$versions" 2>&1 | tail -1); files in $out"
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode --format=csv,noheader 2>/dev/null
 
 # step NAME COMMAND...: print it, run it under the time bound, record status and seconds in steps.tsv.
