@@ -82,3 +82,28 @@ def test_the_report_compares_a_resumed_run_with_a_straight_one_bitwise(tmp_path)
         assert result.returncode == 0, show(result)
     result, lines = report(tmp_path)
     assert lines["resume after a stop equals the straight run"].split()[-2:] == ["bitwise", "yes"], show(result)
+
+
+def test_on_a_gpu_machine_it_checks_its_dependencies_before_running_anything(tmp_path):
+    # A GPU the driver lists, and a CuPy that imports and sees it but has no
+    # cuBLAS (cupy-cudaXXx without [ctk]): the preflight must name it and stop.
+    bin_dir, py_dir = tmp_path / "bin", tmp_path / "py" / "cupy"
+    bin_dir.mkdir()
+    py_dir.mkdir(parents=True)
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: A stand-in GPU (UUID: GPU-0)"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    (py_dir / "__init__.py").write_text(
+        "import numpy\n__version__ = '0'\nfloat32 = numpy.float32\n"
+        "def is_available():\n    return True\n"
+        "class _A(numpy.ndarray):\n"
+        "    def __matmul__(self, other):\n        raise RuntimeError('CUBLAS_STATUS_NOT_INITIALIZED')\n"
+        "def ones(shape, dtype):\n    return numpy.ones(shape, dtype).view(_A)\n")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(tmp_path / "py"),
+               RINGTRAIN_ACCEPTANCE_DIR=str(tmp_path / "out"))
+    result = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, show(result)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "gpu_acceptance: missing:" and "NVRTC and cuBLAS" in lines[1], show(result)
+    assert "CUBLAS_STATUS_NOT_INITIALIZED" in lines[1] and len(lines) == 3, show(result)
+    assert lines[2].startswith("install: python3 -m venv .venv && .venv/bin/pip install -e '.[mpich,test,mnist,cuda12]")
+    assert "===" not in result.stdout + result.stderr and not (tmp_path / "out").exists()  # nothing ran
