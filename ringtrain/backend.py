@@ -40,6 +40,7 @@ __all__ = [
     "record_event",
     "wait_event",
     "rank_order_source",
+    "host_scalars",
 ]
 
 
@@ -121,6 +122,19 @@ def synchronize(x):
     """
     if is_gpu_array(x):
         _cp().cuda.get_current_stream().synchronize()
+
+
+def host_scalars(*values):
+    """Python floats of scalars on the host or a GPU, in one transfer from a GPU.
+
+    Each ``float()`` of a CuPy scalar waits for the device; a step's loss and
+    count together cost one wait this way, not two. Host values convert as
+    ``float()`` does (counts stay exact: below 2**53).
+    """
+    if any(is_gpu_array(v) for v in values):
+        cp = _cp()
+        return [float(v) for v in cp.stack([cp.asarray(v, dtype=np.float64) for v in values]).get()]
+    return [float(v) for v in values]
 
 
 def device_of(x):
