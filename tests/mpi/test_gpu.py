@@ -104,16 +104,20 @@ def test_hierarchical_on_cupy_reduces_within_the_host_by_cuda_ipc(cp, aware, mon
 
 
 @pytest.mark.mpi
-def test_a_result_read_on_a_non_default_stream_is_complete(cp):
-    # The transport's last copies were once still queued when allreduce_ returned:
-    # fine on the legacy default stream, wrong on a non-blocking one.
-    host = data((64 << 20) // 4, np.float32, 9)
-    with cp.cuda.Stream(non_blocking=True) as stream:
+@pytest.mark.parametrize("nbytes", [1 << 20, 64 << 20])
+def test_a_result_read_on_another_stream_is_complete(cp, nbytes):
+    # The transport's last copies were once still queued on the caller's
+    # stream when allreduce_ returned: fine for a reader on that stream, a
+    # race for one on another non-blocking stream (or thread).
+    host = data(nbytes // 4, np.float32, 9)
+    mine, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with mine:
         x = cp.asarray(host)
         allreduce_(x, "sum", comm)
-        doubled = x * 2  # on the same non-blocking stream, right away
-        got = cp.asnumpy(doubled, stream=stream)
-        stream.synchronize()
+    with other:
+        doubled = x * 2  # on another stream, at once: no event, no sync
+        got = cp.asnumpy(doubled, stream=other)
+        other.synchronize()
     np.testing.assert_allclose(got, 2 * reference(host), rtol=1e-5, atol=1e-3)
 
 
