@@ -68,7 +68,7 @@ def main(argv=None):
             if name == "mpi":
                 contestants[name] = lambda x=x: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
             else:
-                contestants[name] = lambda name=name, x=x: allreduce_(x, "sum", comm, algorithm=name)
+                contestants[name] = lambda name=name, x=x: allreduce_(x, "sum", comm, transport=name)
         if old is not None:
             contestants["before"] = lambda x=x: old.allreduce(x)
         times = np.empty((len(contestants), args.iters + 1))

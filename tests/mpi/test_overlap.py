@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.comm import allreduce_many_
+from ringtrain.comm import allreduce_hook, allreduce_many_
 from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.errors import MismatchError, UsageError
 from ringtrain.models.registry import build_model
@@ -49,8 +49,9 @@ def test_reducer_matches_allreduce_many_bitwise_and_mpi(compression, threaded):
     want = allreduce_many_([a.copy() for a in inputs], "mean", comm, bucket_bytes=256, compression=compression)
     reference = mpi_mean(inputs)
     results = []
-    with Reducer(comm, views, bucket_bytes=256, compression=compression, threaded=threaded) as reducer:
-        for _step in range(2):  # a second step reuses everything
+    hook = allreduce_hook("mean", compression=compression)
+    with Reducer(comm, views, hook, bucket_bytes=256, threaded=threaded) as reducer:
+        for _ in range(2):  # a second step reuses everything
             for name, a in zip(views, inputs):
                 views[name][...] = a
             for name in reversed(list(views)):  # out of order: buckets still start in order
@@ -98,7 +99,7 @@ def test_unknown_compression_is_an_error_everywhere():
     with pytest.raises(UsageError, match="unknown compression 'int8'"):
         allreduce_many_([np.ones(3)], "mean", comm, compression="int8")
     with pytest.raises(UsageError, match="unknown compression 'int8'"):
-        Reducer(comm, [np.ones(3)], compression="int8")
+        Reducer(comm, [np.ones(3)], hook=allreduce_hook(compression="int8"))
 
 
 @pytest.mark.mpi(min_size=2)
