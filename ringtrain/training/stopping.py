@@ -20,10 +20,10 @@ and the previous ones restored, so a program that calls it keeps its own.
 import os
 import signal
 import sys
-import threading
 
 import numpy as np
 
+from ..cluster.signals import swapped_handlers
 from .strategy import STOP_REQUESTS, Metric
 
 __all__ = ["StopSignals", "EXIT_STATUS", "SIGNAL_NAMES", "stopped_line"]
@@ -51,18 +51,15 @@ class StopSignals:
     def __init__(self, comm, stream=None):
         self.comm, self.stream = comm, stream
         self.caught = None  # the first stop signal's number
-        self._previous = {}
+        self._handlers = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in _SLOTS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        self._handlers = swapped_handlers(tuple(_SLOTS), self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        self._handlers.__exit__(None, None, None)
         return False
 
     def _handle(self, signum, frame):
