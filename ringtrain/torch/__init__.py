@@ -8,4 +8,15 @@
 from . import interop
 from .model import TorchModel
 
+# Horovod's basics: init, ranks, op constants, errors (import ringtrain.torch as hvd).
+from .errors import HorovodInternalError, HostsUpdatedInterrupt
+from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
+
 __all__ = ["interop", "TorchModel"]
+__all__ += ["HorovodInternalError", "HostsUpdatedInterrupt", "Adasum", "Average", "Max", "Min", "Product", "Sum",
+            "ccl_built", "communicator", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+            "gloo_enabled", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
+            "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size"]
