@@ -16,12 +16,14 @@ from ..cluster.topology import TaskSpec, node_layout
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
            "cross_rank", "is_homogeneous", "mpi_threads_supported", "communicator", "current", "Runtime",
            "cross_layout", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-           "ccl_built", "cuda_built", "rocm_built", "start_hook", "stop_hook"]
+           "ccl_built", "cuda_built", "rocm_built", "start_hook", "ready_hook", "stop_hook"]
 
 _lock = threading.Lock()
 _runtime = None
 # Callables run with the Runtime after init (the engine starts here) and before shutdown.
 _start_hooks, _stop_hooks = [], []
+# Callables run with the Runtime once init has made it current (process sets given to init are added here).
+_ready_hooks = []
 
 
 def cross_layout(hosts):
@@ -96,14 +98,12 @@ def init(comm=None, process_sets=None):
             return
         communicator_, owned = _communicator_from(comm)
         runtime = Runtime(communicator_, owned)
+        runtime.extras["initial_sets"] = list(process_sets or [])
         for hook in _start_hooks:
             hook(runtime)
         _runtime = runtime
-    if process_sets:
-        from .process_sets import add_process_set
-
-        for ps in process_sets:
-            add_process_set(ps)
+    for hook in _ready_hooks:
+        hook(runtime)
 
 
 def shutdown():
@@ -124,6 +124,12 @@ def start_hook(fn):
     _start_hooks.append(fn)
     if _runtime is not None:
         fn(_runtime)
+    return fn
+
+
+def ready_hook(fn):
+    """Run ``fn(runtime)`` at the end of every :func:`init`, once the runtime is current."""
+    _ready_hooks.append(fn)
     return fn
 
 

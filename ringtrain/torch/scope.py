@@ -10,6 +10,9 @@ from . import runtime
 
 __all__ = ["communicator_of", "included"]
 
+# (runtime communicator, process set id, ranks) -> this module's communicator over those ranks.
+_subsets = {}
+
 
 def _is_global(process_set):
     return process_set is None or getattr(process_set, "process_set_id", None) == 0
@@ -23,11 +26,22 @@ def included(process_set=None):
 
 
 def communicator_of(process_set=None):
-    """The communicator of ``process_set``: the runtime's for the global set (ValueError before ``init``)."""
+    """The communicator of ``process_set``: the runtime's for the global set (ValueError before ``init``).
+
+    A subset gets a communicator of its own, made from the runtime's on
+    first use (collective over the set's ranks) and kept: the engine's
+    communicators belong to the engine's thread, and two threads must never
+    run collectives on one communicator.
+    """
     if _is_global(process_set):
         return runtime.communicator()
-    for attribute in ("communicator", "comm", "mpi_comm"):
-        comm = getattr(process_set, attribute, None)
-        if comm is not None:
-            return comm() if callable(comm) else comm
-    raise ValueError(f"{process_set!r} has no communicator: was it registered with add_process_set?")
+    if getattr(process_set, "process_set_id", None) is None:
+        raise ValueError(f"{process_set!r} is not registered; call hvd.add_process_set() on every rank")
+    world = runtime.communicator()
+    key = (world.py2f(), process_set.process_set_id, tuple(process_set.ranks))
+    comm = _subsets.get(key)
+    if comm is None:
+        group = world.Get_group().Incl(list(process_set.ranks))
+        comm = _subsets[key] = world.Create_group(group)
+        group.Free()
+    return comm
