@@ -43,7 +43,7 @@ run() {  # name, then the example's flags
     echo "FAIL $name (exit $?):"; tail -20 "$work/$name.log"; failed=$((failed + 1))
   fi
 }
-run pytorch_mnist --epochs 1 --data-dir "$work/data" --no-cuda
+run pytorch_mnist --epochs 3 --data-dir "$work/data" --no-cuda
 run pytorch_synthetic_benchmark --model resnet18 --batch-size 4 --num-warmup-batches 1 --num-batches-per-iter 2 \
   --num-iters 2 --no-cuda
 exit "$failed"
