@@ -26,6 +26,12 @@ from .process_set_ops import add_process_set, remove_process_set
 from .process_sets import ProcessSet, global_process_set
 from .timeline import start_timeline, stop_timeline
 
+# Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
+from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
+
 __all__ = ["interop", "TorchModel"]
 __all__ += ["HorovodInternalError", "HostsUpdatedInterrupt", "Adasum", "Average", "Max", "Min", "Product", "Sum",
             "ccl_built", "communicator", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
@@ -37,3 +43,6 @@ __all__ += ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "br
             "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_async", "grouped_allreduce_async_",
             "grouped_reducescatter_async", "reducescatter_async", "ProcessSet", "add_process_set",
             "global_process_set", "remove_process_set", "start_timeline", "stop_timeline"]
+
+__all__ += ["Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+            "DistributedOptimizer", "SyncBatchNorm"]
