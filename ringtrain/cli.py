@@ -17,6 +17,7 @@ import sys
 from . import __version__
 from .errors import UsageError
 from .failure import abort_on_error
+from .io.safeio import printable
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -169,7 +170,9 @@ def main(argv=None):
             return args._run(args) or 0
     except UsageError as exc:
         if _rank0():
-            print(f"ringtrain: error: {exc}", file=sys.stderr)
+            # Escaped: the message may quote a config file or a path, whose
+            # escape sequences must not reach the terminal.
+            print(f"ringtrain: error: {printable(exc)}", file=sys.stderr)
         return 2
 
 

@@ -3,7 +3,7 @@
 The decisions (which exit statuses are worth a restart, the restart line,
 which rank log explains a failure) are pure functions; :func:`run_with_restarts`
 is the part that starts processes. Imports only the standard library and
-:mod:`ringtrain.errors`.
+:mod:`ringtrain.cluster.signals`.
 """
 
 import os
@@ -11,8 +11,9 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+
+from .signals import swapped_handlers
 
 __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "failure_report",
            "format_failure_report", "read_rank_logs", "Forwarder", "run_job", "run_with_restarts",
@@ -140,19 +141,17 @@ class Forwarder:
         self.proc = None
         self.stopped = None  # the first stop signal received, if any
         self.stopped_at = None
-        self._saved = {}
+        self._handlers = None
 
     def __enter__(self):
-        # Python lets only the main thread set handlers; elsewhere (launch()
-        # called from a library's thread) signals keep their old meaning.
-        if threading.current_thread() is threading.main_thread():
-            for signum in FORWARDED:
-                self._saved[signum] = signal.signal(signum, self._handle)
+        # Only in the main thread; elsewhere (launch() called from a
+        # library's thread) signals keep their old meaning.
+        self._handlers = swapped_handlers(FORWARDED, self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for signum, handler in self._saved.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._handlers.__exit__(None, None, None)
 
     def _handle(self, signum, frame):
         if signum in STOP_SIGNALS and self.stopped is None:

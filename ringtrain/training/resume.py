@@ -31,10 +31,11 @@ import os
 import uuid
 
 from .. import backend
-from ..io.checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint
+from ..io.checkpoint import CheckpointError, check_formats, latest_valid_checkpoint, read_checkpoint
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
 from ..failure import agree
+from ..io.rundir import write_json_atomic
 from ..io.safeio import KiB, read_regular
 from .config import flag_name, resume_differences
 
@@ -85,8 +86,6 @@ def read_lineage(run_dir, warn):
 
 def write_lineage(run_dir, lineage):
     """Record ``lineage`` as the run directory's current one (atomically; raises OSError)."""
-    from .runlog import write_json_atomic
-
     write_json_atomic(os.path.join(run_dir, LINEAGE_NAME), {"lineage": lineage.id, "parent": lineage.parent})
 
 
@@ -135,12 +134,22 @@ def _shown(value):
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+def _count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_meta(path, meta):
     config = meta.get("config")
-    fields = ("epoch", "step_in_epoch")
-    if not isinstance(config, dict) or not all(isinstance(meta.get(k), int) for k in fields):
+    if not isinstance(config, dict) or not all(_count(meta.get(k)) for k in ("epoch", "step_in_epoch")):
         raise UsageError(f"checkpoint {path} has no training metadata (config, epoch, step_in_epoch): it was not "
                          "written by ringtrain train; give another --resume PATH, or --resume none")
+    # Each is used as a number or a name: a crafted file gets one line, never a wrong step or a traceback.
+    kinds = {"nonfinite_streak": _count, "world_size": lambda v: _count(v) and v > 0,
+             "lineage": lambda v: isinstance(v, str)}
+    for key, ok in kinds.items():
+        if meta.get(key) is not None and not ok(meta[key]):
+            raise UsageError(f"checkpoint {path}: damaged metadata ({key} is {type(meta[key]).__name__} "
+                             f"{meta[key]!r:.40}); give another --resume PATH, or --resume none")
 
 
 def _check_settings(found, cfg, size, warn):
@@ -184,6 +193,9 @@ def _find_on_root(comm, cfg, run_dir, params, log):
     found, problem, notice = None, None, None
     if comm.Get_rank() == 0:
         try:
+            # Whatever --resume says: a run that starts here must not later prune or overwrite a
+            # checkpoint a newer ringtrain wrote, so such a directory is refused.
+            check_formats(os.path.join(run_dir, "checkpoints"))
             found = find_checkpoint(cfg.resume, run_dir, log.warn)
             if found is not None:
                 # The recorded settings name a difference best ("trained with --hidden 8"); without
