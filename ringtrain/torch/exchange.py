@@ -26,6 +26,7 @@ and order).
 
 import torch
 
+from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
 from .interop import as_array
 
@@ -74,7 +75,7 @@ class GradientExchange:
             slots = self._make_slots(members, device)
             # The reducer reduces a bucket in place only when it is handed the very arrays it was built for.
             arrays = {name: as_array(slots[id(p)]) for name, p in members}
-            reducer = Reducer(comm, arrays, bucket_bytes=bucket_bytes, op=op, compression=compression)
+            reducer = Reducer(comm, arrays, allreduce_hook(op, compression=compression), bucket_bytes=bucket_bytes)
             self.reducers.append(reducer)
             for name, p in members:
                 self._slot[p] = (reducer, name, slots[id(p)], arrays[name])
