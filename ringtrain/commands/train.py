@@ -68,6 +68,10 @@ def config_from_args(args):
         if os.path.isdir(args.resume) and os.path.isfile(recorded):
             config = recorded
     file_settings = load_config_file(config) if config else {}
+    if config and os.path.basename(config) == RUN_SETTINGS and "run_dir" in file_settings:
+        # A run directory's own record: the run lives where the file is, whatever
+        # directory it was started from (its run_dir may be relative to that).
+        file_settings["run_dir"] = os.path.dirname(config) or "."
     flags = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     return resolve(flags, file_settings)
 

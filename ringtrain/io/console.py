@@ -7,9 +7,10 @@ whatever the rank does about it: training ends without a checkpoint. So
 rank 0 writes its lines straight to ``mpirun``'s output instead, where it can
 see the failure, warn once and go on (:class:`ringtrain.training.runlog.RunLog`).
 
-That is done only where it is safe: ``mpirun`` is an ancestor of this process
-(on this host), and its stdout is a pipe, a terminal or a device, which a
-second writer shares as it is. A regular file is left to ``mpirun``: a
+That is done only where it is safe: this rank's own stdout is the pipe MPI
+gave it (not a rank log of ``ringtrain launch -o``, which stays where it
+is), ``mpirun`` is an ancestor of this process (on this host), and its
+stdout is a pipe, a terminal or a device, which a second writer shares as it is. A regular file is left to ``mpirun``: a
 second open of it would not share its offset, and the two writers would
 overwrite each other's lines.
 """
@@ -18,6 +19,7 @@ import errno
 import fcntl
 import os
 import stat
+import sys
 
 __all__ = ["LAUNCHERS", "launcher_stdout"]
 
@@ -57,6 +59,15 @@ def _launcher_pid():
     return None
 
 
+def _forwarded(stream):
+    """Whether ``stream`` is a pipe or socket, as MPI's process manager gives a rank to copy its output."""
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
 def launcher_stdout():
     """A text stream onto the launcher's own stdout, for rank 0's lines; None to keep ``sys.stdout``.
 
@@ -65,6 +76,8 @@ def launcher_stdout():
     the output has no reader left (writing to it fails, and the caller
     warns once).
     """
+    if not _forwarded(sys.stdout):
+        return None  # our stdout is a file of our own (``launch -o``'s rank log) or a terminal: keep it
     pid = _launcher_pid()
     if pid is None:
         return None

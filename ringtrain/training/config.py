@@ -306,6 +306,10 @@ def coerce(name, value, source):
     return value
 
 
+# Keys a run directory's config.json records beside the settings.
+RECORD_ONLY = ("model_name",)
+
+
 def load_config_file(path):
     """Read a TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON file into a dict of settings.
 
@@ -348,6 +352,8 @@ def load_config_file(path):
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in RECORD_ONLY and ext == ".json":  # a run directory's config.json: what was trained, not a setting
+            continue
         out[name] = coerce(name, value, f"--config {path}")
     return out
 

@@ -17,6 +17,7 @@ checkpoints; on resume it reads the checkpoint and broadcasts it.
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import sys
 import time
 
@@ -125,7 +126,6 @@ class _Run:
     """One :func:`train` call: its state, the loop, and what the loop calls."""
 
     def __init__(self, start):
-        self.start_record = start
         self.cfg, self.comm, self.spec, self.data, self.plan = start.cfg, start.comm, start.spec, start.data, start.plan
         self.model, self.opt, self.base_lr, self.log, self.xp = start.model, start.opt, start.lr, start.log, start.xp
         self.position, self.dog = start.position, start.dog
@@ -137,7 +137,7 @@ class _Run:
         self.checkpoints = Checkpointer(start, self.strategy, self.phases)
         self.metrics = np.zeros(len(Metric), np.float64)
         self.meter = Meter()
-        self.last_train, self.last_eval, self.first_train = {}, {}, None
+        self.last_train, self.last_eval, self.best_train = {}, {}, None
         self.signals = None
         self.started = time.perf_counter()
 
@@ -208,7 +208,8 @@ class _Run:
         event = self.meter.take_window(step, epoch)
         if event is not None:
             self.last_train = event
-            self.first_train = self.first_train or event
+            if _finite_loss(event) and (self.best_train is None or event["loss"] < self.best_train["loss"]):
+                self.best_train = event
             self.log.event("train", **event)
 
     def _end_epoch(self, step, epoch, index, streak, stopped):
@@ -247,7 +248,7 @@ class _Run:
         accuracy = self.last_eval.get("accuracy")
         self.log.print(f"done: step {step}, epoch {epoch} ({stopped}); test accuracy "
                        + (f"{accuracy:.2%}" if accuracy is not None else "n/a (the test set is empty)"))
-        for line in outcome_warnings(self.first_train, self.last_train, self.last_eval, self.data.num_classes):
+        for line in outcome_warnings(self.best_train, self.last_train, self.last_eval, self.data.num_classes):
             self.log.warn(line)
         _write_timeline(self, step)
         with self.phases.watched("strategy shutdown", step):
@@ -256,6 +257,10 @@ class _Run:
         params = {name: backend.to_numpy(p).copy() for name, p in self.model.params.items()}
         return TrainResult(params, step, epoch, self.last_train, self.last_eval, self.log.run_dir, stopped,
                            path, newest)
+
+
+def _finite_loss(event):
+    return isinstance(event.get("loss"), float) and math.isfinite(event["loss"])
 
 
 def _stop_requests(run, step):

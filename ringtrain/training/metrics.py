@@ -74,18 +74,18 @@ def epoch_line(epoch, epochs, sums, seconds, elapsed, last_eval):
     return line + f"  ({elapsed:.1f}s)"
 
 
-def outcome_warnings(first_train, last_train, last_eval, classes):
+def outcome_warnings(best_train, last_train, last_eval, classes):
     """Lines that warn of a run that ended without learning, though nothing failed (pure).
 
-    A loss that ended at :data:`EXPLODED` times where it started has
-    diverged even while it stays finite; an accuracy at chance (``1 /
+    A training loss that ended at :data:`EXPLODED` times its best (lowest)
+    has diverged even while it stays finite; an accuracy at chance (``1 /
     classes``) means the model learned nothing. Either way the run's exit
     status is still 0: the warning is what tells the user.
     """
     lines = []
-    first, last = (first_train or {}).get("loss"), (last_train or {}).get("loss")
-    if first is not None and last is not None and first > 0 and last >= EXPLODED * first:
-        lines.append(f"the training loss rose from {first:.4g} (step {first_train['step']}) to {last:.4g} (step "
+    best, last = (best_train or {}).get("loss"), (last_train or {}).get("loss")
+    if best is not None and last is not None and best > 0 and last >= EXPLODED * best:
+        lines.append(f"the training loss rose from {best:.4g} (step {best_train['step']}) to {last:.4g} (step "
                      f"{last_train['step']}): training diverged; lower --lr and resume from an earlier checkpoint")
     accuracy, source = (last_eval or {}).get("accuracy"), "test"
     if accuracy is None:

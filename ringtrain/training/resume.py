@@ -152,12 +152,35 @@ def _check_meta(path, meta):
                              f"{meta[key]!r:.40}); give another --resume PATH, or --resume none")
 
 
-def _check_settings(found, cfg, size, warn):
+def _same_data(path, meta, cfg, fingerprint):
+    """The checkpoint's settings with its dataset spelled as this run's, when they name the same data.
+
+    ``./d.npz`` and ``d.npz`` (or a path through a link) are one file:
+    compared as resolved paths, not strings. The same name with different
+    contents is refused: compared by the content fingerprint both record.
+    """
+    saved, recorded = dict(meta["config"]), meta.get("dataset")
+    if not isinstance(recorded, dict) or fingerprint is None:
+        if isinstance(saved.get("dataset"), str) and os.path.realpath(saved["dataset"]) == os.path.realpath(
+                cfg.dataset) and os.path.exists(cfg.dataset):
+            saved["dataset"] = cfg.dataset
+        return saved
+    if recorded.get("path") == fingerprint["path"] or saved.get("dataset") == cfg.dataset:
+        saved["dataset"] = cfg.dataset
+        then, now = recorded.get("sha256"), fingerprint["sha256"]
+        if isinstance(then, str) and then != now:
+            raise UsageError(f"--resume {cfg.resume}: cannot resume from {path}: --dataset {cfg.dataset} holds other "
+                             f"data than it was trained on (content sha256 {then[:12]}... then, {now[:12]}... now); "
+                             "give the data it was trained on, or --resume none to start afresh")
+    return saved
+
+
+def _check_settings(found, cfg, size, warn, fingerprint=None):
     """Refuse a checkpoint whose settings do not fit; return the notice line for those that changed, or None."""
     path, _, meta = found
     _check_meta(path, meta)
     auto = cfg.resume == "auto"
-    refused, changed = resume_differences(meta["config"], cfg)
+    refused, changed = resume_differences(_same_data(path, meta, cfg, fingerprint), cfg)
     if refused is not None:
         name, then, now, why = refused
         flag = flag_name(name)
@@ -189,7 +212,7 @@ def _check_fits(found, params):
                              "use --resume none or a matching --model/--hidden")
 
 
-def _find_on_root(comm, cfg, run_dir, params, log):
+def _find_on_root(comm, cfg, run_dir, params, log, fingerprint):
     found, problem, notice = None, None, None
     if comm.Get_rank() == 0:
         try:
@@ -202,7 +225,7 @@ def _find_on_root(comm, cfg, run_dir, params, log):
                 # them, a model that does not fit is still the clearer thing to say.
                 recorded = isinstance(found[2].get("config"), dict)
                 if recorded:
-                    notice = _check_settings(found, cfg, comm.Get_size(), log.warn)
+                    notice = _check_settings(found, cfg, comm.Get_size(), log.warn, fingerprint)
                 _check_fits(found, params)
                 if not recorded:
                     _check_meta(found[0], found[2])
@@ -225,7 +248,7 @@ def _lineage_for(cfg, run_dir, found, log):
     return Lineage.new(path)  # --resume PATH: a branch, whatever the directory held before
 
 
-def resume(comm, cfg, run_dir, params, opt, log, dog=None):
+def resume(comm, cfg, run_dir, params, opt, log, dog=None, fingerprint=None):
     """Rank 0 loads and checks a checkpoint, then every rank receives it (collective).
 
     Without a checkpoint, rank 0's initial parameters are broadcast so every
@@ -234,6 +257,8 @@ def resume(comm, cfg, run_dir, params, opt, log, dog=None):
     Args:
         dog: a :class:`ringtrain.watchdog.Watchdog` to watch the collectives
             (rank 0 may read a large checkpoint while the others wait).
+        fingerprint: rank 0's :func:`ringtrain.data.fingerprint.dataset_fingerprint`
+            of this run's data, compared with the checkpoint's.
 
     Returns:
         ``(position, lineage, path)``: the :class:`Position` to continue from
@@ -245,7 +270,7 @@ def resume(comm, cfg, run_dir, params, opt, log, dog=None):
         return dog.watch(f"start-up: resume {what}") if dog is not None else contextlib.nullcontext()
 
     with watched("agreement"):
-        found, notice = _find_on_root(comm, cfg, run_dir, params, log)
+        found, notice = _find_on_root(comm, cfg, run_dir, params, log, fingerprint)
     lineage = _lineage_for(cfg, run_dir, found, log) if comm.Get_rank() == 0 else None
     header = None
     if found is not None:

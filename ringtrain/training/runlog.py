@@ -71,7 +71,12 @@ class RunLog:
         every rank stops when the master refuses; only the master looks, and
         it creates nothing (:meth:`open` takes the lock of a new directory).
         """
-        return self._lock.claim() if self.is_master else None
+        if not self.is_master:
+            return None
+        if os.path.islink(self.checkpoint_dir):  # saves and pruning would happen wherever it points
+            return (f"--run-dir {self.run_dir}: its checkpoints directory is a symbolic link, which ringtrain never "
+                    "follows; remove it (to keep checkpoints on other storage, give a --run-dir there)")
+        return self._lock.claim()
 
     # -- writing ---------------------------------------------------------------
     def open(self, config):

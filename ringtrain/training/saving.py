@@ -90,7 +90,8 @@ class Checkpointer:
         meta = {"step": step, "epoch": epoch, "step_in_epoch": index, "nonfinite_streak": streak,
                 "world_size": run.comm.Get_size(), "digest": digest, "final": final,
                 "config": to_json(run.cfg), "train": _finite(last_train), "eval": _finite(last_eval),
-                "lineage": run.lineage.id if run.lineage is not None else None}
+                "lineage": run.lineage.id if run.lineage is not None else None, "dataset": run.fingerprint,
+                "model_name": run.model_name}
         try:
             path = save_checkpoint(run.log.checkpoint_dir, step, arrays, meta, keep=run.cfg.keep)
         except (OSError, CheckpointError) as exc:  # save_checkpoint turns an OSError into CheckpointError

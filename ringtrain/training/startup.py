@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .. import backend
+from ..data.fingerprint import dataset_fingerprint
 from ..data.load import load_sharded
 from ..data.sharding import EpochPlan
 from ..data.standardize import standardize
@@ -27,7 +28,7 @@ from .replicas import check_same_params
 from .resume import resume, write_lineage
 from .runlog import RunLog, default_run_dir
 
-__all__ = ["Start", "start", "starting", "usable_timeout"]
+__all__ = ["Start", "start", "starting", "usable_timeout", "model_name"]
 
 
 @dataclasses.dataclass
@@ -48,6 +49,8 @@ class Start:
     dog: object           # the :class:`~ringtrain.watchdog.Watchdog`
     lineage: object = None       # rank 0: the lineage every checkpoint of this run is stamped with
     resumed_from: str = None     # rank 0: the checkpoint resumed from, None for a fresh start
+    fingerprint: dict = None     # rank 0: the dataset's resolved path and content hash (None for built-ins)
+    model_name: str = None       # what is trained, in words: "mlp 256-128", "torch Net", "custom MyModel"
 
 
 def usable_timeout(value):
@@ -75,6 +78,7 @@ def start(cfg, comm, spec, model, stream, threads, dog):
                         classes=cfg.classes)
     data = standardize(data, WatchedComm(comm, dog, "start-up: feature statistics"), cfg.standardize)
     plan = EpochPlan.for_shard(data, comm, batch_size=cfg.batch_size, seed=cfg.seed, drop_last=cfg.drop_last)
+    name = model_name(cfg, model)
     model = model if model is not None else _build_model(cfg, data, xp)
     with starting(dog, "model check"):
         check_same_params(comm, model.params)
@@ -93,10 +97,11 @@ def start(cfg, comm, spec, model, stream, threads, dog):
     if threads is not None:
         log.print(f"ringtrain: {threads} BLAS thread(s) per rank ({spec.local_size} rank(s) on this host; "
                   "set OMP_NUM_THREADS to choose)")
-    position, lineage, resumed_from = resume(comm, cfg, run_dir, model.params, opt, log, dog)
+    fingerprint = dataset_fingerprint(cfg.dataset) if spec.is_master else None
+    position, lineage, resumed_from = resume(comm, cfg, run_dir, model.params, opt, log, dog, fingerprint)
     problem = None
     try:
-        log.open(to_json(dataclasses.replace(cfg, run_dir=run_dir)))
+        log.open(dict(to_json(dataclasses.replace(cfg, run_dir=run_dir)), model_name=name))
         if spec.is_master:
             _new_lineage_notice(cfg, run_dir, resumed_from, log)
             write_lineage(run_dir, lineage)  # before the first checkpoint of the lineage can exist
@@ -106,7 +111,8 @@ def start(cfg, comm, spec, model, stream, threads, dog):
         problem = str(exc)
     with starting(dog, "run directory agreement"):
         agree(comm, problem)
-    return Start(cfg, comm, spec, data, plan, model, opt, lr, log, xp, position, dog, lineage, resumed_from)
+    return Start(cfg, comm, spec, data, plan, model, opt, lr, log, xp, position, dog, lineage, resumed_from,
+                 fingerprint, name)
 
 
 def _open_log(cfg, comm, spec, stream, dog):
@@ -136,3 +142,17 @@ def _build_model(cfg, data, xp):
     except ValueError as exc:
         raise UsageError(str(exc), everywhere=True) from None
 
+
+
+def model_name(cfg, custom=None):
+    """What a run trains, in words, for its records and plots (pure).
+
+    ``mlp 256-128`` or ``cnn 16-32`` for a built-in model; for a model the
+    caller passed in, what it is: ``torch Net`` (a TorchModel's module) or
+    ``custom MyModel``, never the built-in settings it did not use.
+    """
+    if custom is not None:
+        module = getattr(custom, "module", None)
+        return f"torch {type(module).__name__}" if module is not None else f"custom {type(custom).__name__}"
+    sizes = cfg.hidden if cfg.model == "mlp" else cfg.channels if cfg.model == "cnn" else ()
+    return cfg.model + (" " + "-".join(map(str, sizes)) if sizes else "")

@@ -72,6 +72,7 @@ def make_inputs(tmp):
     os.unlink(damaged)
     os.rmdir(tmp / "ckpts")
     text("fraction.toml", "hidden = [8.5]\n")
+    np.savez(tmp / "huge-label.npz", x=x, y=np.where(np.arange(10) == 6, np.uint64(2 ** 63), y.astype(np.uint64)))
     # A run directory holding a checkpoint of a newer format, and a checkpoint whose step is a float.
     (tmp / "newer" / "checkpoints").mkdir(parents=True)
     crafted_checkpoint(tmp / "newer" / "checkpoints" / "ckpt-00000009.npz", format_version=FORMAT_VERSION + 1, step=9)
@@ -177,6 +178,8 @@ CASES = [
      "--hidden: expected comma-separated integers like 128,64, got [8.5]"),
     ("run-dir-not-utf8", ["train", *SMALL, "--run-dir", "{tmp}/run-\udcff"], "is not UTF-8 text"),
     ("dataset-not-utf8", train("--dataset", "{tmp}/d-\udcff.npz"), "--dataset: b'"),
+    ("label-beyond-int64", train("--dataset", "{tmp}/huge-label.npz"),
+     "huge-label.npz: y has label 9,223,372,036,854,775,808 in row 6"),
 ]
 
 MPI_CASES = ["data-nan", "toml-syntax", "resume-damaged-file", "run-dir-under-a-file", "device-gpu-without-one",

@@ -84,3 +84,16 @@ def test_escape_sequences_in_a_refused_input_are_printed_escaped(tmp_path):
     assert result.returncode == 2 and ESC not in result.stderr, show(result)
     assert result.stderr.strip().splitlines() == [
         f"ringtrain: error: --config {tmp_path}/x\\x1b[2J.toml: no such file"], show(result)
+
+
+def test_a_checkpoints_directory_that_is_a_link_is_refused_and_nothing_written(tmp_path):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "ckpt-00000001.npz").write_text("someone else's\n")
+    os.symlink(elsewhere, run_dir / "checkpoints")
+    result = mpirun(3, rt("train", *SMALL, "--run-dir", str(run_dir)), timeout=60)
+    assert result.returncode == 2, show(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "its checkpoints directory is a symbolic link" in lines[0], show(result)
+    assert sorted(os.listdir(run_dir)) == ["checkpoints"] and os.listdir(elsewhere) == ["ckpt-00000001.npz"]

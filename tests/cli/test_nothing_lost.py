@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mpirun import ROOT, mpirun, ringtrain as rt, run, show
 from mpirun import test_env as job_env
 from ringtrain.cluster.launch import mpirun_command
+from ringtrain.errors import UsageError
 from ringtrain.io.checkpoint import list_checkpoints, read_checkpoint
 
 PROGRAMS = os.path.join(ROOT, "tests", "cli", "programs")
@@ -118,3 +120,59 @@ def test_stopped_without_run_dir_prints_the_exact_resume_command(tmp_path):
     assert proc.returncode == 143, err
     (run_dir,) = [os.path.join("runs", d) for d in os.listdir(tmp_path / "runs")]
     assert err.strip().endswith(f"to resume: ringtrain train --resume {run_dir}"), err
+
+
+# --- a data file rewritten under a running job ---------------------------------------------
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_data_file_cut_short_under_a_running_job_does_not_end_it(tmp_path, ranks):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "x.npy", rng.normal(size=(6000, 8)).astype(np.float32))
+    np.save(data / "y.npy", rng.integers(0, 3, size=6000))
+    # With its own test split each rank's training rows are one slice of x.npy: a view of the map, unless copied.
+    np.save(data / "x_test.npy", rng.normal(size=(100, 8)).astype(np.float32))
+    np.save(data / "y_test.npy", rng.integers(0, 3, size=100))
+    args = rt("train", "--dataset", str(data), "--hidden", "8", "--batch-size", "8", "--epochs", "200",
+              "--max-time", "6", "--no-progress", "--run-dir", str(tmp_path / "run"))
+    proc = subprocess.Popen(mpirun_command(ranks, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=job_env(), start_new_session=True)
+    try:
+        first = proc.stdout.readline()  # training has started, its rows read from the map
+        with open(data / "x.npy", "r+b") as fh:
+            fh.truncate(128)  # what a writer that rewrites the file in place does first
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    # Before: SIGBUS on the first page of x past the cut, no message, no checkpoint.
+    assert proc.returncode == 0, first + out + err
+    assert "done: step" in out and "(max_time)" in out, first + out + err
+
+
+def test_a_data_file_rewritten_while_it_is_read_is_named(tmp_path):
+    from ringtrain.data.sources import open_source, read_rows
+
+    np.save(tmp_path / "x.npy", np.ones((100, 4), np.float32))
+    np.save(tmp_path / "y.npy", np.arange(100) % 2)
+    source = open_source(str(tmp_path), seed=0, test_fraction=0.2, num_classes=None, samples=0, features=0,
+                         classes=0, separation=1.0)
+    read_rows(source, source.train, (0, 40))
+    np.save(tmp_path / "x.npy", np.zeros((10, 4), np.float32))  # between one rank's reads
+    with pytest.raises(UsageError, match=rf"^{tmp_path}/x.npy: changed while this job was reading it"):
+        read_rows(source, source.train, (40, 80))
+
+
+def test_a_run_directorys_settings_work_from_another_directory(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = run(rt("train", *SMALL, "--max-steps", "30", "--run-dir", "runs/x"), cwd=str(tmp_path / "a"), timeout=60)
+    assert first.returncode == 0, show(first)
+    run_dir = tmp_path / "a" / "runs" / "x"
+    # The recorded run_dir is relative to a/; from b/ it still means the run's own directory.
+    again = run(rt("train", "--resume", str(run_dir), "--max-steps", "40"), cwd=str(tmp_path / "b"), timeout=60)
+    assert again.returncode == 0, show(again)
+    assert "at step 30" in again.stdout and "done: step 40" in again.stdout, show(again)
+    assert not (tmp_path / "b" / "runs").exists()
+    assert 40 in [read_checkpoint(p)[1]["step"] for p in list_checkpoints(run_dir / "checkpoints")]
