@@ -35,7 +35,9 @@ from .jobs import run_with_restarts
 
 __all__ = [
     "RANK_VARIABLES",
+    "SIZE_VARIABLES",
     "rank_from_env",
+    "size_from_env",
     "find_mpirun",
     "detect_flavour",
     "flavour_from_version",
@@ -54,6 +56,8 @@ __all__ = [
 # Open MPI, PMIx launchers and Slurm's srun. The one list for the whole
 # package (the CLI, the per-rank log wrapper and the launcher read it).
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+# And the ones they set to the number of ranks.
+SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
 
 # Host names and IPv4 addresses; a leading '-' would be read as an mpirun flag.
@@ -62,6 +66,15 @@ RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID
 def rank_from_env(env):
     """This process's rank from the launcher's variables, or None (pure)."""
     for name in RANK_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def size_from_env(env):
+    """The job's number of ranks from the launcher's variables, or None (pure)."""
+    for name in SIZE_VARIABLES:
         value = env.get(name, "")
         if value.isdigit():
             return int(value)

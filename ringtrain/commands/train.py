@@ -72,10 +72,14 @@ def run(args, cfg):
     """
     from mpi4py import MPI
 
+    from ..cluster.signals import exit_at_once_on
     from ..training.loop import train
-    from ..training.stopping import EXIT_STATUS, stopped_line
+    from ..training.stopping import EXIT_STATUS, STOP_SIGNALS, stopped_line
 
     result = train(cfg)
+    # The run is over and saved: a signal from here on (a second Ctrl-C while
+    # the ranks exit) ends the process quietly, with the status the first promised.
+    exit_at_once_on(STOP_SIGNALS, EXIT_STATUS.get(result.stopped))
     master = MPI.COMM_WORLD.Get_rank() == 0
     if result.checkpoint is None:
         if master:
