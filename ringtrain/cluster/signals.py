@@ -8,10 +8,12 @@ found them, so a program that calls ``ringtrain.train()`` or
 """
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 
-__all__ = ["swapped_handlers", "restorable"]
+__all__ = ["swapped_handlers", "restorable", "exit_at_once_on"]
 
 
 def restorable(previous):
@@ -45,3 +47,24 @@ def swapped_handlers(signums, handler):
     finally:
         for signum, old in previous.items():
             signal.signal(signum, restorable(old))
+
+
+def exit_at_once_on(signums, status=None):
+    """From now on, end this process at once and quietly on any of ``signums``.
+
+    For a command whose work is done and saved, on its way out (MPI's
+    finalisation, interpreter shutdown): a second Ctrl-C there would
+    otherwise raise KeyboardInterrupt wherever it lands, print a traceback
+    and end with whatever status the unwinding happens to produce. The exit
+    status is ``status`` (the one the first signal promised), or ``128 +``
+    the signal's number. Main thread only, as every handler.
+    """
+    def handler(signum, frame):
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(status if status is not None else 128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in signums:
+            signal.signal(signum, handler)
