@@ -163,12 +163,19 @@ def _broadcast_pending(tensor, output, root_rank, name, process_set):
         root = int(root_rank)
     except (TypeError, ValueError):
         raise ValueError(f"broadcast: root_rank must be an int, got {root_rank!r}") from None
-    ps = global_process_set if process_set is None else process_set
-    if not 0 <= root < ps.size():
-        raise ValueError(f"broadcast: root_rank {root} is outside a process set of {ps.size()} rank(s)")
+    root = _root_in_set(root, process_set, "broadcast")
     meta = (("kind", "broadcast"), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
             ("root", root), ("device", _device(tensor)))
     return submit("broadcast", name, process_set, meta, None, (tensor, output))
+
+
+def _root_in_set(root, process_set, who):
+    """``root`` (a rank of the runtime, as Horovod's API takes it) as a rank of the process set's communicator."""
+    ps = global_process_set if process_set is None else process_set
+    ranks = list(ps.ranks)
+    if root not in ranks:
+        raise ValueError(f"{who}: root_rank {root} is not in the process set (ranks {ranks})")
+    return ranks.index(root)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
