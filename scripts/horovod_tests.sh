@@ -12,7 +12,7 @@
 #
 # Environment: PYTHON (default: .venv/bin/python, else python3), MPIRUN
 # (default: next to PYTHON, else mpirun), TIMEOUT per mpirun in seconds
-# (default 900), PYTEST_ARGS (extra pytest arguments, e.g. "-k allreduce"),
+# (default 900), PYTEST_K (a pytest -k expression, e.g. "allreduce and not grad"),
 # KEEP_LOGS (a directory to keep each rank's log and report in).
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -38,7 +38,7 @@ for np in "${nps[@]}"; do
     PYTHONPATH="$root/scripts/horovod_compat:$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 \
         timeout -k 10 "$timeout_s" "$mpirun" -np "$np" bash -c \
         'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m pytest -p muon_off -v \
-            -p no:cacheprovider -o faulthandler_timeout=120 ${PYTEST_ARGS:-} test_torch.py \
+            -p no:cacheprovider -o faulthandler_timeout=120 ${PYTEST_K:+-k "$PYTEST_K"} test_torch.py \
             --junitxml="$3/rank-$r.xml" > "$3/rank-$r.log" 2>&1' \
         _ "$checkout/test/parallel" "$python" "$reports/np$np" > "$reports/np$np/mpirun.log" 2>&1
     rc=$?

@@ -22,7 +22,7 @@ from .reduce_ops import Average, Sum, op_name
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
-           "reducescatter_async", "grouped_reducescatter_async", "barrier", "resolve_op", "engine",
+           "reducescatter_async", "grouped_reducescatter_async", "barrier", "join", "resolve_op", "engine",
            "submit"]
 
 
@@ -239,6 +239,20 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     """Start a reducescatter of each tensor; return one handle."""
     return _grouped("reducescatter", tensors, name, lambda t, n: _reducescatter_pending(
         t, n, op, process_set, prescale_factor, postscale_factor))
+
+
+def join(device=-1):
+    """Declare this rank done: until every rank has joined, it adds zeros to the others' allreduces.
+
+    Blocks until every rank has called it; returns the rank that joined
+    last, the same on every rank. While a rank is joined, ops other than
+    allreduce fail on the ranks that submit them. ``device`` is accepted for
+    Horovod's signature; the zeros go on the device the other ranks' tensors are on.
+    """
+    from .negotiation import JOIN
+
+    pending = submit("join", JOIN, None, (("kind", "join"),), None, ())
+    return handles.synchronize(handles.register(pending))
 
 
 def barrier(process_set=global_process_set):
