@@ -24,9 +24,9 @@ import threading
 import numpy as np
 
 from ..comm import allreduce_, release
-from . import kernels
+from . import handles, kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
-from .negotiation import SHUTDOWN, Table
+from .negotiation import JOIN, SHUTDOWN, Table
 
 __all__ = ["Entry", "Engine", "FUSION_BYTES"]
 
@@ -148,13 +148,15 @@ class Engine:
             if op.name == SHUTDOWN:
                 self._stopped = True
                 continue
-            entry = self._finish_name(op)
+            entry = self._entry_for(op)
             if entry is None:
-                continue  # an op of a process set this rank is not in
-            if op.mismatch is not None:
-                entry.pending.fail(CollectiveMismatchError(
-                    f"{entry.kind} {op.name!r}: ranks submitted different {op.mismatch}; every rank must "
-                    "submit the same op under one name"))
+                continue  # an op of a process set this rank is not in, or one it cannot join in
+            problem = _problem(op, entry)
+            if problem is not None:
+                entry.pending.fail(problem)
+                continue
+            if op.name == JOIN:
+                entry.pending.succeed(op.last_joined)
                 continue
             group = [(op, entry)]
             if entry.kind in kernels.FUSABLE:
@@ -163,16 +165,22 @@ class Engine:
                        and ready[i].process_set == op.process_set and kernels.fuse_key(ready[i].meta) == key
                        and total + kernels.nbytes(ready[i].meta) <= FUSION_BYTES):
                     total += kernels.nbytes(ready[i].meta)
-                    group.append((ready[i], self._finish_name(ready[i])))
+                    group.append((ready[i], self._entry_for(ready[i])))
                     i += 1
             self._execute(group)
 
-    def _finish_name(self, op):
-        entry = self._mine.pop((op.process_set, op.name), None)
+    def _entry_for(self, op):
+        """This rank's entry for ``op``; a stand-in adding zeros if this rank has joined instead; else None."""
+        key = (op.process_set, op.name)
+        entry = self._mine.pop(key, None)
         if entry is not None:
             with self._cond:
-                self._in_flight.discard((op.process_set, op.name))
-        return entry
+                self._in_flight.discard(key)
+            return entry
+        if self.rank in op.joined and dict(op.meta)["kind"] == "allreduce" and op.mismatch is None:
+            zeros = kernels.zeros_like_meta(op.meta)
+            return Entry(op.name, op.process_set, "allreduce", op.meta, None, (zeros, zeros), handles.Pending())
+        return None
 
     def _execute(self, group):
         op, entry = group[0]
@@ -236,3 +244,14 @@ class Announcer:
         if min(lengths) < 0:
             return self.comm.allgather(announced)
         return [pickle.loads(slots[r, 1:].view(np.uint8)[:n].tobytes()) if n else [] for r, n in enumerate(lengths)]
+
+
+def _problem(op, entry):
+    """The error every rank's entry for ``op`` fails with (ranks disagreed, or some joined), or None."""
+    if op.mismatch is not None:
+        return CollectiveMismatchError(f"{entry.kind} {op.name!r}: ranks submitted different {op.mismatch}; every "
+                                       "rank must submit the same op under one name")
+    if op.joined and entry.kind != "allreduce":
+        return HorovodInternalError(f"{entry.kind} {op.name!r}: rank(s) {list(op.joined)} have joined; only "
+                                    "allreduce runs while ranks are joined")
+    return None

@@ -22,7 +22,7 @@ from .reduce_ops import Average, Sum, op_name
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
-           "reducescatter_async", "grouped_reducescatter_async", "barrier", "resolve_op", "engine",
+           "reducescatter_async", "grouped_reducescatter_async", "barrier", "join", "resolve_op", "engine",
            "submit"]
 
 
@@ -163,12 +163,19 @@ def _broadcast_pending(tensor, output, root_rank, name, process_set):
         root = int(root_rank)
     except (TypeError, ValueError):
         raise ValueError(f"broadcast: root_rank must be an int, got {root_rank!r}") from None
-    ps = global_process_set if process_set is None else process_set
-    if not 0 <= root < ps.size():
-        raise ValueError(f"broadcast: root_rank {root} is outside a process set of {ps.size()} rank(s)")
+    root = _root_in_set(root, process_set, "broadcast")
     meta = (("kind", "broadcast"), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
             ("root", root), ("device", _device(tensor)))
     return submit("broadcast", name, process_set, meta, None, (tensor, output))
+
+
+def _root_in_set(root, process_set, who):
+    """``root`` (a rank of the runtime, as Horovod's API takes it) as a rank of the process set's communicator."""
+    ps = global_process_set if process_set is None else process_set
+    ranks = list(ps.ranks)
+    if root not in ranks:
+        raise ValueError(f"{who}: root_rank {root} is not in the process set (ranks {ranks})")
+    return ranks.index(root)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -232,6 +239,20 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     """Start a reducescatter of each tensor; return one handle."""
     return _grouped("reducescatter", tensors, name, lambda t, n: _reducescatter_pending(
         t, n, op, process_set, prescale_factor, postscale_factor))
+
+
+def join(device=-1):
+    """Declare this rank done: until every rank has joined, it adds zeros to the others' allreduces.
+
+    Blocks until every rank has called it; returns the rank that joined
+    last, the same on every rank. While a rank is joined, ops other than
+    allreduce fail on the ranks that submit them. ``device`` is accepted for
+    Horovod's signature; the zeros go on the device the other ranks' tensors are on.
+    """
+    from .negotiation import JOIN
+
+    pending = submit("join", JOIN, None, (("kind", "join"),), None, ())
+    return handles.synchronize(handles.register(pending))
 
 
 def barrier(process_set=global_process_set):
