@@ -233,7 +233,7 @@ def _plan(process_set, op, compression, predivide, named):
         raise NotImplementedError(f"DistributedOptimizer: op {op!r} is not implemented by ringtrain on more than "
                                   f"one rank; use Average, Sum, Min or Max")
     for name, p in named:
-        if wire_dtype(p.dtype) is None:
+        if p.requires_grad and wire_dtype(p.dtype) is None:
             raise ValueError(f"DistributedOptimizer: parameter {name!r} has dtype {p.dtype}; ringtrain reduces "
                              "floating-point and complex gradients")
     wire = reducer_compression(compression)
