@@ -26,6 +26,7 @@ and order).
 
 import torch
 
+from ..comm.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from ..comm.reducer import Reducer
 from .interop import as_array
 
@@ -74,7 +75,13 @@ class GradientExchange:
             slots = self._make_slots(members, device)
             # The reducer reduces a bucket in place only when it is handed the very arrays it was built for.
             arrays = {name: as_array(slots[id(p)]) for name, p in members}
-            reducer = Reducer(comm, arrays, bucket_bytes=bucket_bytes, op=op, compression=compression)
+            # One bucket starts with the last gradient, when backward is over: nothing to overlap, so
+            # it is reduced on the caller's thread, without a hand-over to a communication thread.
+            # Not with a reducer per device: ranks could then block in different reducers' first buckets.
+            single = len(by_device) == 1 and len(plan_buckets(list(arrays.values()),
+                                                               bucket_bytes or DEFAULT_BUCKET_BYTES)) == 1
+            reducer = Reducer(comm, arrays, bucket_bytes=bucket_bytes, op=op, compression=compression,
+                              threaded=False if single else None)
             self.reducers.append(reducer)
             for name, p in members:
                 self._slot[p] = (reducer, name, slots[id(p)], arrays[name])
@@ -108,7 +115,7 @@ class GradientExchange:
         with torch.no_grad():
             if grad is None:
                 slot.zero_()
-            else:
+            elif grad.data_ptr() != slot.data_ptr():  # not already the slot (see _write_back)
                 if grad.is_sparse:
                     grad = grad.to_dense()
                 slot.copy_(torch.view_as_real(grad) if grad.is_complex() else grad)
@@ -143,6 +150,10 @@ class GradientExchange:
             p.grad = slot.to(grad.dtype).to_sparse(grad.sparse_dim())
         elif grad.is_complex():
             torch.view_as_real(grad).copy_(slot)
+        elif grad.dtype == slot.dtype:
+            # The gradient becomes a view of its slot, as Horovod's set_ makes it one of its output: no
+            # copy back, and a gradient accumulated in place next step is already staged.
+            grad.set_(slot)
         else:
             grad.copy_(slot)
 

@@ -144,8 +144,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: ``(name, parameter)`` pairs covering every
             parameter of ``optimizer`` (usually ``model.named_parameters()``);
             default: names made from the parameter groups.
-        compression: ``Compression.none`` or ``Compression.fp16`` (or your
-            own compressor class, applied tensor by tensor).
+        compression: ``Compression.none`` or ``Compression.fp16`` (a bucket
+            travels as float16); another compressor class is refused.
         backward_passes_per_step: backward passes accumulated locally before
             each reduction (scale the loss by its inverse for a mean).
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
@@ -160,7 +160,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Raises:
         ValueError: for Horovod's argument errors (unnamed or duplicate
             parameters, bad groups, ``backward_passes_per_step < 1``).
-        NotImplementedError: for ``Adasum`` or ``Product`` on more than one rank.
+        NotImplementedError: for ``Adasum`` or ``Product``, or a compressor
+            other than ``Compression.none`` and ``Compression.fp16``, on more
+            than one rank (on every rank alike: it depends on the arguments only).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

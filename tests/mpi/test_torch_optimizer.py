@@ -296,3 +296,28 @@ def test_objects_match_mpis_own():
     assert got_b == comm.bcast(obj, root=size - 1)
     assert got_a == comm.allgather(obj)
     assert np.all([isinstance(o, dict) for o in got_a])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_process_set_reduces_within_itself():
+    # Even and odd ranks each average among themselves; the reference is one process on the set's rows.
+    sets = [hvd.add_process_set([r for r in range(size) if r % 2 == parity]) for parity in (0, 1)]
+    mine = sets[rank % 2]
+    members = list(mine.ranks)
+    model, reference = _net(torch.float64), _net(torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=mine)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = _batch(0, ROWS * size, torch.float64)
+    opt.zero_grad()
+    F.mse_loss(model(_mine(x)), _mine(y)).backward()
+    opt.step()
+    rows = torch.cat([torch.arange(r * ROWS, (r + 1) * ROWS) for r in members])
+    ref_opt.zero_grad()
+    F.mse_loss(reference(x[rows]), y[rows]).backward()
+    ref_opt.step()
+    got = hvd.broadcast_object({"from": rank}, root_rank=members[-1], process_set=mine)
+    for ps in reversed(sets):
+        hvd.remove_process_set(ps)
+    assert _close(model, reference, 1e-9)
+    assert got == {"from": members[-1]}
