@@ -66,7 +66,7 @@ class GradientExchange:
     def __init__(self, comm, named, op="mean", compression=None, prescale=1.0, postscale=1.0, bucket_bytes=None):
         self.prescale, self.postscale = prescale, postscale
         self.params = [p for _, p in named]
-        self._slot = {}
+        self._slot, self._slot_name = {}, {}
         by_device = {}
         for name, p in named:
             by_device.setdefault(p.device, []).append((name, p))
@@ -85,6 +85,7 @@ class GradientExchange:
             self.reducers.append(reducer)
             for name, p in members:
                 self._slot[p] = (reducer, name, slots[id(p)], arrays[name])
+                self._slot_name[p] = name
         self._pushed = set()
 
     def _make_slots(self, members, device):
@@ -103,6 +104,17 @@ class GradientExchange:
             slots[id(p)] = flats[dtype][offsets[dtype]: offsets[dtype] + count].view(shape)
             offsets[dtype] += count
         return slots
+
+    def started(self):
+        """How many buckets have been handed to their reducers since the last :meth:`finish` (all reducers)."""
+        count = 0
+        for reducer in self.reducers:
+            done = {self._slot_name[p] for p in self._pushed if self._slot[p][0] is reducer}
+            for bucket in reducer.buckets:  # started strictly in order, each once all its members are in
+                if not all(reducer.names[i] in done for i in bucket.indices):
+                    break
+                count += 1
+        return count
 
     def pushed(self, p):
         """Whether ``p``'s gradient has been pushed since the last :meth:`finish`."""

@@ -30,6 +30,7 @@ optimizers over parameters of the same shapes and dtypes.
 """
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -70,7 +71,8 @@ class _DistributedOptimizer:
         comm, op, compression, prescale, postscale = plan
         trained = [(name, p) for name, p in named if p.requires_grad]
         # Backward makes the last layer's gradients first: lay the buckets out in that order.
-        self._exchange = GradientExchange(comm, trained[::-1], op, compression, prescale, postscale)
+        self._exchange = GradientExchange(comm, trained[::-1], op, compression, prescale, postscale,
+                                          bucket_bytes=_bucket_bytes())
         for _, p in trained:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
 
@@ -204,6 +206,17 @@ def _named(optimizer, named_parameters):
     # Reduce in the optimizer's order (the same on every rank), not the order names were given.
     names = {id(p): name for name, p in named}
     return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _bucket_bytes():
+    """Horovod's fusion threshold (``HOROVOD_FUSION_THRESHOLD``, bytes), if set, sizes the buckets."""
+    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if value is None:
+        return None
+    try:
+        return max(1, int(value))  # Horovod's 0 (no fusion): every gradient a bucket of its own
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes, got {value!r}") from None
 
 
 def _check_groups(groups):
