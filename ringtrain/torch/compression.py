@@ -6,10 +6,12 @@ after it. :class:`Compression` names the two that ship::
 
     opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=Compression.fp16)
 
-The optimizer recognises these two and hands them to ringtrain's bucketed
-reducer as its own ``compression`` (``None`` or ``"fp16"``), so a bucket is
-cast once instead of once per tensor; any other compressor is applied tensor
-by tensor around the reduction.
+The optimizer hands these two to ringtrain's bucketed reducer as its own
+``compression`` (``None`` or ``"fp16"``), so a bucket is cast once instead of
+once per tensor (for an average, divided by the rank count first, so the
+float16 sum cannot overflow where the mean would not). The optimizer refuses
+other compressors; the classes' ``compress``/``decompress`` serve any code
+that calls them directly.
 """
 
 import torch

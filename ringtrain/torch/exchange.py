@@ -26,6 +26,7 @@ and order).
 
 import torch
 
+from ..comm.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
 from .interop import as_array
@@ -66,7 +67,7 @@ class GradientExchange:
     def __init__(self, comm, named, op="mean", compression=None, prescale=1.0, postscale=1.0, bucket_bytes=None):
         self.prescale, self.postscale = prescale, postscale
         self.params = [p for _, p in named]
-        self._slot = {}
+        self._slot, self._slot_name = {}, {}
         by_device = {}
         for name, p in named:
             by_device.setdefault(p.device, []).append((name, p))
@@ -75,10 +76,17 @@ class GradientExchange:
             slots = self._make_slots(members, device)
             # The reducer reduces a bucket in place only when it is handed the very arrays it was built for.
             arrays = {name: as_array(slots[id(p)]) for name, p in members}
-            reducer = Reducer(comm, arrays, allreduce_hook(op, compression=compression), bucket_bytes=bucket_bytes)
+            # One bucket starts with the last gradient, when backward is over: nothing to overlap, so
+            # it is reduced on the caller's thread, without a hand-over to a communication thread.
+            # Not with a reducer per device: ranks could then block in different reducers' first buckets.
+            single = len(by_device) == 1 and len(plan_buckets(list(arrays.values()),
+                                                               bucket_bytes or DEFAULT_BUCKET_BYTES)) == 1
+            reducer = Reducer(comm, arrays, allreduce_hook(op, compression=compression), bucket_bytes=bucket_bytes,
+                              threaded=False if single else None)
             self.reducers.append(reducer)
             for name, p in members:
                 self._slot[p] = (reducer, name, slots[id(p)], arrays[name])
+                self._slot_name[p] = name
         self._pushed = set()
 
     def _make_slots(self, members, device):
@@ -98,6 +106,17 @@ class GradientExchange:
             offsets[dtype] += count
         return slots
 
+    def started(self):
+        """How many buckets have been handed to their reducers since the last :meth:`finish` (all reducers)."""
+        count = 0
+        for reducer in self.reducers:
+            done = {self._slot_name[p] for p in self._pushed if self._slot[p][0] is reducer}
+            for bucket in reducer.buckets:  # started strictly in order, each once all its members are in
+                if not all(reducer.names[i] in done for i in bucket.indices):
+                    break
+                count += 1
+        return count
+
     def pushed(self, p):
         """Whether ``p``'s gradient has been pushed since the last :meth:`finish`."""
         return p in self._pushed
@@ -109,7 +128,7 @@ class GradientExchange:
         with torch.no_grad():
             if grad is None:
                 slot.zero_()
-            else:
+            elif grad.data_ptr() != slot.data_ptr():  # not already the slot (see _write_back)
                 if grad.is_sparse:
                     grad = grad.to_dense()
                 slot.copy_(torch.view_as_real(grad) if grad.is_complex() else grad)
@@ -144,6 +163,10 @@ class GradientExchange:
             p.grad = slot.to(grad.dtype).to_sparse(grad.sparse_dim())
         elif grad.is_complex():
             torch.view_as_real(grad).copy_(slot)
+        elif grad.dtype == slot.dtype:
+            # The gradient becomes a view of its slot, as Horovod's set_ makes it one of its output: no
+            # copy back, and a gradient accumulated in place next step is already staged.
+            grad.set_(slot)
         else:
             grad.copy_(slot)
 

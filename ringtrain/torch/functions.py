@@ -37,7 +37,8 @@ def broadcast_parameters(params, root_rank=0, process_set=None):
             names), or a list of tensors or ``(name, tensor)`` pairs such as
             ``list(model.named_parameters())``. Any dtype: bool and uint8
             buffers included.
-        root_rank: the rank whose values everyone gets.
+        root_rank: the rank whose values everyone gets (a rank of the whole
+            job, as in Horovod, also with a process set).
         process_set: broadcast within this process set (default: every rank).
 
     Raises:
@@ -49,12 +50,13 @@ def broadcast_parameters(params, root_rank=0, process_set=None):
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    broadcast_tensors_(tensors, root=root_rank, comm=_comm(process_set))
+    broadcast_tensors_(tensors, root=scope.set_rank(process_set, root_rank), comm=_comm(process_set))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Return ``root_rank``'s ``obj`` on every rank, pickled (collective; ``name`` is accepted for Horovod)."""
     comm = _comm(process_set)
+    root_rank = scope.set_rank(process_set, root_rank)
     mine = comm.Get_rank() == root_rank
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
     length = np.array([len(data)], np.int64)

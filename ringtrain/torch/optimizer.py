@@ -30,6 +30,7 @@ optimizers over parameters of the same shapes and dtypes.
 """
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -70,7 +71,8 @@ class _DistributedOptimizer:
         comm, op, compression, prescale, postscale = plan
         trained = [(name, p) for name, p in named if p.requires_grad]
         # Backward makes the last layer's gradients first: lay the buckets out in that order.
-        self._exchange = GradientExchange(comm, trained[::-1], op, compression, prescale, postscale)
+        self._exchange = GradientExchange(comm, trained[::-1], op, compression, prescale, postscale,
+                                          bucket_bytes=_bucket_bytes())
         for _, p in trained:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
 
@@ -144,8 +146,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: ``(name, parameter)`` pairs covering every
             parameter of ``optimizer`` (usually ``model.named_parameters()``);
             default: names made from the parameter groups.
-        compression: ``Compression.none`` or ``Compression.fp16`` (or your
-            own compressor class, applied tensor by tensor).
+        compression: ``Compression.none`` or ``Compression.fp16`` (a bucket
+            travels as float16); another compressor class is refused.
         backward_passes_per_step: backward passes accumulated locally before
             each reduction (scale the loss by its inverse for a mean).
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
@@ -160,7 +162,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Raises:
         ValueError: for Horovod's argument errors (unnamed or duplicate
             parameters, bad groups, ``backward_passes_per_step < 1``).
-        NotImplementedError: for ``Adasum`` or ``Product`` on more than one rank.
+        NotImplementedError: for ``Adasum`` or ``Product``, or a compressor
+            other than ``Compression.none`` and ``Compression.fp16``, on more
+            than one rank (on every rank alike: it depends on the arguments only).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -204,6 +208,17 @@ def _named(optimizer, named_parameters):
     return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
 
 
+def _bucket_bytes():
+    """Horovod's fusion threshold (``HOROVOD_FUSION_THRESHOLD``, bytes), if set, sizes the buckets."""
+    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if value is None:
+        return None
+    try:
+        return max(1, int(value))  # Horovod's 0 (no fusion): every gradient a bucket of its own
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes, got {value!r}") from None
+
+
 def _check_groups(groups):
     if groups is None:
         return
@@ -233,7 +248,7 @@ def _plan(process_set, op, compression, predivide, named):
         raise NotImplementedError(f"DistributedOptimizer: op {op!r} is not implemented by ringtrain on more than "
                                   f"one rank; use Average, Sum, Min or Max")
     for name, p in named:
-        if wire_dtype(p.dtype) is None:
+        if p.requires_grad and wire_dtype(p.dtype) is None:
             raise ValueError(f"DistributedOptimizer: parameter {name!r} has dtype {p.dtype}; ringtrain reduces "
                              "floating-point and complex gradients")
     wire = reducer_compression(compression)

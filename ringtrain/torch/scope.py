@@ -8,7 +8,7 @@ one place that turns that argument into an mpi4py communicator, so
 
 from . import runtime
 
-__all__ = ["communicator_of", "included"]
+__all__ = ["communicator_of", "included", "set_rank"]
 
 # (runtime communicator, process set id, ranks) -> this module's communicator over those ranks.
 _subsets = {}
@@ -45,3 +45,15 @@ def communicator_of(process_set=None):
         comm = _subsets[key] = world.Create_group(group)
         group.Free()
     return comm
+
+
+def set_rank(process_set, rank):
+    """``rank`` (of the runtime, as Horovod's ``root_rank`` is given) as a rank of ``process_set``'s communicator.
+
+    A rank outside the set is returned as it is: the collective's own check
+    then refuses it on every rank.
+    """
+    if _is_global(process_set):
+        return rank
+    ranks = list(process_set.ranks)
+    return ranks.index(rank) if rank in ranks else rank

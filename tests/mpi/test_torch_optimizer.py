@@ -62,8 +62,10 @@ OPTIMIZERS = {
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("how", ["average", "sum", "predivide", "fp16"])
-def test_distributed_optimizer_equals_one_process_on_the_full_batch(name, how):
+@pytest.mark.parametrize("how", ["average", "sum", "predivide", "fp16", "many-buckets"])
+def test_distributed_optimizer_equals_one_process_on_the_full_batch(name, how, monkeypatch):
+    if how == "many-buckets":  # a bucket per gradient, reduced on the communication thread during backward
+        monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1")
     dtype = torch.float32 if how == "fp16" else torch.float64
     model, reference = _net(dtype), _net(dtype)
     kwargs = {"sum": {"op": hvd.Sum}, "predivide": {"gradient_predivide_factor": 2.0},
@@ -296,3 +298,52 @@ def test_objects_match_mpis_own():
     assert got_b == comm.bcast(obj, root=size - 1)
     assert got_a == comm.allgather(obj)
     assert np.all([isinstance(o, dict) for o in got_a])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_process_set_reduces_within_itself():
+    # Even and odd ranks each average among themselves; the reference is one process on the set's rows.
+    sets = [hvd.add_process_set([r for r in range(size) if r % 2 == parity]) for parity in (0, 1)]
+    mine = sets[rank % 2]
+    members = list(mine.ranks)
+    model, reference = _net(torch.float64), _net(torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=mine)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = _batch(0, ROWS * size, torch.float64)
+    opt.zero_grad()
+    F.mse_loss(model(_mine(x)), _mine(y)).backward()
+    opt.step()
+    rows = torch.cat([torch.arange(r * ROWS, (r + 1) * ROWS) for r in members])
+    ref_opt.zero_grad()
+    F.mse_loss(reference(x[rows]), y[rows]).backward()
+    ref_opt.step()
+    got = hvd.broadcast_object({"from": rank}, root_rank=members[-1], process_set=mine)
+    for ps in reversed(sets):
+        hvd.remove_process_set(ps)
+    assert _close(model, reference, 1e-9)
+    assert got == {"from": members[-1]}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_buckets_are_handed_over_while_backward_runs(monkeypatch):
+    # Horovod's fusion threshold sizes the buckets: 1 byte makes every gradient a bucket of its own.
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1")
+    model, reference = _net(torch.float64), _net(torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    during = []
+    # The first layer's weight is among the last gradients backward makes: by then the later layers'
+    # buckets must already be on their way (registered after the optimizer's hook, so it runs after it).
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: during.append(opt._exchange.started()))
+    x, y = _batch(0, ROWS * size, torch.float64)
+    opt.zero_grad()
+    F.mse_loss(model(_mine(x)), _mine(y)).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    buckets = sum(len(r.buckets) for r in opt._exchange.reducers)
+    assert buckets == 4 and len(during) == 1 and during[0] >= 2, (buckets, during)
+    assert _close(model, reference, 1e-9)
