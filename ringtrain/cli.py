@@ -12,6 +12,7 @@ collective. One verdict comes out of it: rank 0 prints the problem once
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
@@ -80,18 +81,39 @@ def _is_collective(name):
     return name in COMMANDS and hasattr(_load(name), "prepare")
 
 
+# Said by every rank whose start-up watchdog fires: the rank to look at is the one that said nothing.
+_STARTUP_HINT = "a rank that printed no such line never got there; raise --timeout if this is expected"
 # What a rank that printed --help (or --version) reports to the agreement.
 _HELP = "asked for --help instead of a run; give every rank the same command line"
 
 
+def wants_gpu(argv):
+    """True when the command line asks for ``--device gpu`` (pure; a config file's choice is found later)."""
+    return any(word == "--device=gpu" or (word == "--device" and nxt == "gpu")
+               for word, nxt in zip(argv, argv[1:] + [None]))
+
+
+def _device_before_mpi(argv):
+    # A CUDA-aware MPI (Open MPI with UCX, GPU-enabled MPICH) may set up CUDA
+    # on the current device inside MPI_Init, which mpi4py calls on import:
+    # left alone, every rank would hold a context on GPU 0 and get GPU 0's
+    # affinity. The launcher's local rank is known before then; the trainer
+    # makes the same choice later from MPI's own view (TaskSpec.device).
+    import os
+
+    from . import backend
+    from .cluster.launch import local_rank_from_env
+
+    local = local_rank_from_env(os.environ)
+    if local is not None and wants_gpu(argv) and backend.gpu_available():
+        backend.use_device(local % backend.device_count())
+
+
 def _main_collective(argv):
     """Parse and check on this rank, agree with every rank, then run (collective)."""
-    from mpi4py import MPI
-
+    _device_before_mpi(argv)
     from .failure import verdict_of
-    from .watchdog import Watchdog
 
-    comm = MPI.COMM_WORLD
     args = prepared = problem = None
     try:
         args = build_parser().parse_args(argv)
@@ -102,21 +124,32 @@ def _main_collective(argv):
         if exc.code not in (None, 0):
             raise
         problem = _HELP
-    # The one agreement point: every rank reaches it, whatever it found, and
-    # nothing collective happens before it. Watched, so a rank that never
-    # arrives (stuck reading its --config) ends the job within --timeout.
-    dog = Watchdog(comm, getattr(prepared, "timeout", None) or _default_timeout())
-    try:
-        with dog.watch("start-up: settings agreement"):
-            problems = comm.allgather(problem)
-    finally:
-        dog.close()
+    problems = _agree_at_start_up(problem, getattr(prepared, "timeout", None) or _default_timeout())
     if all(p == _HELP for p in problems):
         return 0
     verdict = verdict_of(problems)
     if verdict is not None:
         raise UsageError(verdict, everywhere=True)
     return args._run(args, prepared) or 0
+
+
+def _agree_at_start_up(problem, timeout):
+    """Start MPI and gather every rank's problem, all within ``timeout`` seconds (collective).
+
+    The one agreement point: every rank reaches it, whatever it found, and
+    nothing collective happens before it. The watchdog is armed before MPI
+    starts, because ``MPI_Init`` itself waits for every rank: a rank stopped
+    before it gets there (SIGSTOP, a sleep before the program, stuck reading
+    its --config) would otherwise hold the others there for ever
+    (:class:`ringtrain.watchdog.StartupWatchdog`). Every rank that waits
+    prints a line; the one that printed none is the one to look at.
+    """
+    from .watchdog import StartupWatchdog
+
+    with StartupWatchdog(timeout, "start-up: MPI start and settings agreement", hint=_STARTUP_HINT):
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.allgather(problem)
 
 
 def _default_timeout():
@@ -134,6 +167,41 @@ def _rank0():
     return rank_from_env(os.environ) in (None, 0)
 
 
+def _who_reports():
+    """``(whether this process prints the error, the stale rank variable or None)``.
+
+    Once MPI is up, MPI's rank decides: a rank variable left in the
+    environment (``PMI_RANK=1`` exported in a shell, a job script run by
+    hand) must not silence the only process there is. Before MPI, a
+    ``PMI_RANK`` that no Hydra connection came with is stale too.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    env_rank = _rank_from_env()
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        world = mpi.COMM_WORLD
+        stale = world.Get_size() == 1 and env_rank not in (None, 0)
+        return world.Get_rank() == 0, _rank_variable() if stale else None
+    if env_rank not in (None, 0) and os.environ.get("PMI_RANK") and not _HYDRA_CONNECTION & set(os.environ):
+        return True, "PMI_RANK"
+    return env_rank in (None, 0), None
+
+
+# What Hydra (and Slurm's PMI-2) set beside PMI_RANK for the rank to reach them.
+_HYDRA_CONNECTION = {"PMI_FD", "PMI_PORT"}
+
+
+def _rank_from_env():
+    from .cluster.launch import rank_from_env
+
+    return rank_from_env(os.environ)
+
+
+def _rank_variable():
+    from .cluster.launch import RANK_VARIABLES
+
+    return next(name for name in RANK_VARIABLES if os.environ.get(name, "").isdigit())
+
+
 def main(argv=None):
     """Entry point of ``ringtrain`` and ``python -m ringtrain``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -146,10 +214,14 @@ def main(argv=None):
                 raise UsageError("no command given; choose one of " + ", ".join(COMMANDS), everywhere=True)
             return args._run(args) or 0
     except UsageError as exc:
-        if _rank0():
+        prints, stale = _who_reports()
+        if prints:
             # Escaped: the message may quote a config file or a path, whose
             # escape sequences must not reach the terminal.
             print(f"ringtrain: error: {printable(exc)}", file=sys.stderr)
+        if stale:
+            print(f"ringtrain: warning: {stale}={os.environ[stale]} is set, but no MPI launcher started this "
+                  f"process; unset {stale}, or start it with mpirun", file=sys.stderr)
         return 2
 
 

@@ -17,11 +17,16 @@ and aborting: every waiting rank gets its line out, the stalled rank is the
 one that printed none, and its right neighbour's line names it.
 """
 
+import os
+import select
+import signal
 import sys
 import threading
 import time
 
-__all__ = ["Watchdog", "WatchedComm", "left_neighbour"]
+from .cluster.launch import rank_from_env, size_from_env
+
+__all__ = ["Watchdog", "WatchedComm", "StartupWatchdog", "left_neighbour"]
 
 
 def left_neighbour(rank, size):
@@ -38,9 +43,11 @@ class Watchdog:
     seconds) so that the other ranks that time out print theirs too.
     """
 
-    def __init__(self, comm, timeout, stream=None, clock=time.monotonic, abort=None, grace=None):
+    def __init__(self, comm, timeout, stream=None, clock=time.monotonic, abort=None, grace=None,
+                 hint="raise --timeout if this is expected"):
         self._comm = comm
         self._timeout = timeout
+        self._hint = hint
         # Long enough for the other waiting ranks' watchdogs (polling at
         # timeout/20, at most 1 s) to fire and print; short next to any timeout.
         self._grace = grace if grace is not None else (min(2.0, timeout) if timeout else 0.0)
@@ -81,8 +88,7 @@ class Watchdog:
         rank = self._comm.Get_rank()
         at = f" at step {step}" if step is not None else ""
         on = f"; waiting on rank {waiting_on}" if waiting_on is not None else ""
-        return (f"rank {rank}: {operation}{at} did not finish within {self._timeout:g}s{on} "
-                f"(raise --timeout if this is expected)")
+        return f"rank {rank}: {operation}{at} did not finish within {self._timeout:g}s{on} ({self._hint})"
 
     def _run(self):
         # Poll a few times per timeout: cheap, and precise enough for a deadline
@@ -143,3 +149,64 @@ class WatchedComm:
                 return attr(*args, **kwargs)
 
         return watched
+
+
+
+class StartupWatchdog:
+    """Bound MPI's start and the first agreement with a watcher process, not a thread.
+
+    A rank stopped right after it starts (SIGSTOP, a slow file system, a
+    ``sleep`` before the program) leaves every other rank blocked inside
+    ``MPI_Init``, which waits for all of them. No thread can help there:
+    mpi4py calls ``MPI_Init`` at import, holding the GIL, so a watchdog
+    thread never runs, and no communicator exists yet to abort. So a forked
+    watcher waits on a pipe: when the block ends the pipe is closed and the
+    watcher exits; if ``timeout`` seconds pass first, it prints one line,
+    waits ``grace`` seconds (so every waiting rank gets its line out), and
+    kills this rank with SIGKILL, which every mpiexec answers by ending the
+    job. The watcher only reads, writes and signals: no Python thread, no MPI.
+
+    Use as ``with StartupWatchdog(timeout, "start-up: ..."): from mpi4py import MPI; ...``.
+    A single-rank job (or ``timeout=None``) starts no watcher.
+    """
+
+    def __init__(self, timeout, operation, hint="raise --timeout if this is expected", env=None, grace=None,
+                 stream_fd=2):
+        env = os.environ if env is None else env
+        rank, size = rank_from_env(env) or 0, size_from_env(env) or 1
+        self._timeout = timeout if timeout and size > 1 else None
+        self._grace = grace if grace is not None else (min(2.0, timeout) if timeout else 0.0)
+        self._line = f"rank {rank}: {operation} did not finish within {timeout:g}s ({hint})\n" if timeout else ""
+        self._fd = stream_fd
+        self._pipe = self._child = None
+
+    def __enter__(self):
+        if self._timeout is None:
+            return self
+        read_end, self._pipe = os.pipe()
+        parent = os.getpid()
+        self._child = os.fork()
+        if self._child == 0:  # the watcher
+            os.close(self._pipe)
+            _watch(read_end, parent, self._timeout, self._grace, self._line.encode(), self._fd)
+        os.close(read_end)
+        return self
+
+    def __exit__(self, *exc):
+        if self._child is not None:
+            os.close(self._pipe)  # the watcher sees end-of-file and exits
+            os.waitpid(self._child, 0)
+            self._child = None
+        return False
+
+
+def _watch(read_end, parent, timeout, grace, line, fd):
+    """The watcher's whole life (in the forked child; never returns)."""
+    try:
+        ready, _, _ = select.select([read_end], [], [], timeout)
+        if not ready:
+            os.write(fd, line)
+            time.sleep(grace)
+            os.kill(parent, signal.SIGKILL)
+    finally:
+        os._exit(0)

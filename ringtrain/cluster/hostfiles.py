@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..io.safeio import Unreadable, open_regular_fd
 
 __all__ = ["Host", "EXPECTED", "parse_hostfile", "read_hostfile", "parse_host_list", "format_hostfile",
-           "check_slots", "np_limit", "check_np", "check_hosts", "MAX_NP", "RANKS_PER_CORE"]
+           "check_slots", "check_total_slots", "np_limit", "check_np", "check_hosts", "MAX_NP", "RANKS_PER_CORE"]
 
 EXPECTED = "expected 'host slots=N' or 'host:N'"
 _HOST = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
@@ -40,7 +40,24 @@ def _count(text, where, line, what="slots"):
     value = int(text)
     if value < 1:
         raise UsageError(f"{where}: {what} must be at least 1, got {line!r}")
+    if value > MAX_NP:
+        raise UsageError(f"{where}: {what} {value:,} is above ringtrain launch's limit of {MAX_NP:,} per host, "
+                         f"got {line!r}; give the host's real number of slots")
     return value
+
+
+def check_total_slots(hosts, source):
+    """Refuse hosts whose slots add up past :data:`MAX_NP` (pure).
+
+    Hydra adds the slots up in a C int: two hosts of 2**30 slots overflow it,
+    and mpiexec then spins at full CPU, deaf to SIGTERM, before starting
+    anything. No job can use more than MAX_NP slots anyway.
+    """
+    total = sum(h.slots for h in hosts)
+    if total > MAX_NP:
+        raise UsageError(f"{source} gives {total:,} slots in all, above ringtrain launch's limit of {MAX_NP:,}; "
+                         "give each host its real number of slots")
+    return hosts
 
 
 def _parse_line(line, where):
@@ -94,7 +111,7 @@ def parse_hostfile(text, source="hostfile"):
             hosts.append(_parse_line(line, f"{source} line {number}"))
     if not hosts:
         raise UsageError(f"{source} lists no hosts; {EXPECTED} on each line")
-    return hosts
+    return check_total_slots(hosts, source)
 
 
 # A cluster's hostfile is a few kilobytes; anything this big is the wrong file.
@@ -144,7 +161,7 @@ def parse_host_list(text):
             raise UsageError(f"-H entry {number}: expected 'host:N', got {item!r} (e.g. -H node1:2,node2:2)")
         name, count = match.groups()
         hosts.append(Host(name, 1 if count is None else _count(count, f"-H entry {number}", item)))
-    return hosts
+    return check_total_slots(hosts, "-H")
 
 
 def format_hostfile(hosts, flavour):

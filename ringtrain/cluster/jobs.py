@@ -3,7 +3,7 @@
 The decisions (which exit statuses are worth a restart, the restart line,
 which rank log explains a failure) are pure functions; :func:`run_with_restarts`
 is the part that starts processes. Imports only the standard library and
-:mod:`ringtrain.errors`.
+its neighbours in :mod:`ringtrain.cluster` (signals, reaper, leftovers).
 """
 
 import os
@@ -11,12 +11,14 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
+from . import leftovers, reaper
+from .signals import swapped_handlers
+
 __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "failure_report",
-           "format_failure_report", "read_rank_logs", "Forwarder", "run_job", "run_with_restarts",
-           "STOP_SIGNALS", "FORWARDED"]
+           "format_failure_report", "failed_rank", "read_rank_logs", "read_tail", "Forwarder", "run_job",
+           "run_with_restarts", "STOP_SIGNALS", "FORWARDED"]
 
 
 # --- restarts and failure reports (pure) --------------------------------------
@@ -49,10 +51,19 @@ def restart_line(status, restart, max_restarts, delay, rank=None):
 
 
 RESTART_MARK = "ringtrain launch: restart "
-# What a rank that failed writes: a traceback, ringtrain's 'rank R: SomeError: ...'
-# and 'error: ...' lines, a watchdog's 'did not finish within', MPI's aborts.
-_ERROR = re.compile(r"Traceback|\w(Error|Exception)\b|\berror:|did not finish within|\bKilled\b|\babort",
-                    re.IGNORECASE)
+# What a rank that really failed leaves at the start of a line of its log:
+# ringtrain's failure record ('rank R: <error>', from abort_on_error), the
+# command line's own error line, or a Python traceback. Anywhere else in a
+# line ("validation error: 0.3", a file named abort.py) it is just output.
+_FAILED = re.compile(r"^(?:rank [0-9]+: (?!.*did not finish within)|ringtrain: error: |"
+                     r"Traceback \(most recent call last\):)", re.MULTILINE)
+# A watchdog's line names the rank it waited on; the stalled rank is the one
+# named whose own log has no such line (it was not waiting: it was stuck).
+_WAITED_ON = re.compile(r"^rank [0-9]+: .*did not finish within.*; waiting on rank ([0-9]+)", re.MULTILINE)
+_TIMED_OUT = re.compile(r"^rank [0-9]+: .*did not finish within", re.MULTILINE)
+# How much of the end of each rank log the report reads: the last lines are
+# all it shows, and a long run's log may be gigabytes.
+TAIL_BYTES = 64 * 1024
 
 
 def last_run(text):
@@ -64,24 +75,39 @@ def last_run(text):
     return "" if end < 0 else text[end + 1:]
 
 
+def failed_rank(logs):
+    """The rank whose log shows it failed, or None when no log does (pure).
+
+    The lowest rank that left a failure record or a traceback; failing that,
+    a rank that other ranks' watchdogs waited on and that was not waiting
+    itself. Output that merely contains "error:" blames nobody.
+    """
+    failed = [rank for rank in sorted(logs) if _FAILED.search(logs[rank])]
+    if failed:
+        return failed[0]
+    named = sorted({int(m) for text in logs.values() for m in _WAITED_ON.findall(text)})
+    stalled = [rank for rank in named if not _TIMED_OUT.search(logs.get(rank, ""))]
+    return stalled[0] if stalled else None
+
+
 def failure_report(logs, lines=10, max_ranks=4):
     """Which rank failed and the log lines that show why (pure).
 
     Args:
         logs: ``{rank: text of the latest run}`` for the rank logs this host can read.
         lines: how many lines to show from each log.
-        max_ranks: how many logs to show when none names an error.
+        max_ranks: how many logs to show when none shows a failure.
 
     Returns:
-        ``(rank, [(rank, last lines), ...])``: the lowest rank whose log
-        names an error and its last lines; or, when none does, ``None`` and
+        ``(rank, [(rank, last lines), ...])``: the rank :func:`failed_rank`
+        blames and its last lines; or, when it blames none, ``None`` and
         the last lines of the first ``max_ranks`` non-empty logs.
     """
     def tail(text):
         return text.splitlines()[-lines:]
-    for rank in sorted(logs):
-        if _ERROR.search(logs[rank]):
-            return rank, [(rank, tail(logs[rank]))]
+    rank = failed_rank(logs)
+    if rank is not None:
+        return rank, [(rank, tail(logs.get(rank, "")))]
     shown = [(rank, tail(logs[rank])) for rank in sorted(logs) if logs[rank].strip()]
     return None, shown[:max_ranks]
 
@@ -106,11 +132,21 @@ def read_rank_logs(logdir):
         match = re.fullmatch(r"rank-([0-9]+)\.log", name)
         if match:
             try:
-                with open(os.path.join(logdir, name), encoding="utf-8", errors="replace") as f:
-                    logs[int(match.group(1))] = last_run(f.read())
+                logs[int(match.group(1))] = last_run(read_tail(os.path.join(logdir, name)))
             except OSError:
                 continue
     return logs
+
+
+def read_tail(path, limit=TAIL_BYTES):
+    """The last ``limit`` bytes of a file as text, from its first whole line."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - limit))
+        data = f.read(limit)
+    if size > limit:
+        data = data[data.find(b"\n") + 1:]
+    return data.decode("utf-8", errors="replace")
 
 
 # --- running it -------------------------------------------------------------
@@ -120,11 +156,6 @@ def read_rank_logs(logdir):
 # every rank, on every host.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORWARDED = STOP_SIGNALS + (signal.SIGUSR1,)
-# After a stop signal, how long ranks may take to end before mpiexec is told
-# to abort (a second SIGINT is "force abort" to Hydra and Open MPI alike), and
-# how long after that before mpiexec itself is killed.
-FORCE_AFTER = 30.0
-KILL_AFTER = 10.0
 
 
 class Forwarder:
@@ -140,21 +171,22 @@ class Forwarder:
         self.proc = None
         self.stopped = None  # the first stop signal received, if any
         self.stopped_at = None
-        self._saved = {}
+        self.insisted_at = None  # when a second stop signal came
+        self._handlers = None
 
     def __enter__(self):
-        # Python lets only the main thread set handlers; elsewhere (launch()
-        # called from a library's thread) signals keep their old meaning.
-        if threading.current_thread() is threading.main_thread():
-            for signum in FORWARDED:
-                self._saved[signum] = signal.signal(signum, self._handle)
+        # Only in the main thread; elsewhere (launch() called from a
+        # library's thread) signals keep their old meaning.
+        self._handlers = swapped_handlers(FORWARDED, self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for signum, handler in self._saved.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._handlers.__exit__(None, None, None)
 
     def _handle(self, signum, frame):
+        if signum in STOP_SIGNALS and self.stopped is not None and self.insisted_at is None:
+            self.insisted_at = time.monotonic()
         if signum in STOP_SIGNALS and self.stopped is None:
             self.stopped, self.stopped_at = signum, time.monotonic()
         # SIGHUP becomes SIGTERM: in its own session mpiexec has no terminal to lose.
@@ -179,37 +211,48 @@ def _die_with_launcher():
 
 
 def _wait(proc, forwarder):
-    """Wait for mpiexec to end; force it if it outlives a stop signal too long."""
+    """Wait for mpiexec to end; after a stop signal, escalate as :func:`reaper.next_step` says."""
     forced = False
     while True:
         try:
-            return proc.wait(timeout=1.0)
+            return proc.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
         if forwarder.stopped is None:
             continue
-        waited = time.monotonic() - forwarder.stopped_at
-        if waited > FORCE_AFTER + KILL_AFTER:
-            proc.kill()
-        elif waited > FORCE_AFTER and not forced:
+        now = time.monotonic()
+        insisted = None if forwarder.insisted_at is None else now - forwarder.insisted_at
+        step = reaper.next_step(now - forwarder.stopped_at, insisted, forced,
+                                started_anything=bool(reaper.session_members(proc.pid)))
+        if step == "kill":
+            reaper.kill_session(proc.pid)
+        elif step == "force":
             forced = True
             forwarder.send(signal.SIGINT)
             forwarder.send(signal.SIGINT)
 
 
 def run_job(args, env, forwarder):
-    """Start mpiexec, pass signals on while it runs, and return its exit status."""
+    """Start mpiexec, pass signals on while it runs, and return its exit status.
+
+    After a failure, the shared-memory segments the job left on this host
+    are removed (:mod:`ringtrain.cluster.leftovers`).
+    """
     if forwarder.stopped is not None:
         return 128 + forwarder.stopped
     use_pdeathsig = sys.platform.startswith("linux")
+    before, since = leftovers.segments(), time.time()
     forwarder.proc = subprocess.Popen(args, env=env, start_new_session=True,
                                       preexec_fn=_die_with_launcher if use_pdeathsig else None)
     try:
         if forwarder.stopped is not None:  # a signal came while it was starting
             forwarder.send(forwarder.stopped)
-        return exit_status(_wait(forwarder.proc, forwarder))
+        status = exit_status(_wait(forwarder.proc, forwarder))
     finally:
         forwarder.proc = None
+    if status != 0:
+        leftovers.sweep(before, since)
+    return status
 
 
 def _sleep_unless_stopped(seconds, forwarder):

@@ -18,6 +18,7 @@ Plain ``mpirun -np N ringtrain ...`` stays the first-class way to run;
     ringtrain launch -np 4 --hostfile hostfiles/cluster.mpich -o logs -- ringtrain train --dataset digits
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -34,7 +35,11 @@ from .jobs import run_with_restarts
 
 __all__ = [
     "RANK_VARIABLES",
+    "LOCAL_RANK_VARIABLES",
+    "SIZE_VARIABLES",
     "rank_from_env",
+    "local_rank_from_env",
+    "size_from_env",
     "find_mpirun",
     "detect_flavour",
     "flavour_from_version",
@@ -43,6 +48,7 @@ __all__ = [
     "launch_command",
     "format_command",
     "check_request",
+    "check_runnable",
     "check_logdir",
     "plan_launch",
     "launch",
@@ -52,6 +58,10 @@ __all__ = [
 # Open MPI, PMIx launchers and Slurm's srun. The one list for the whole
 # package (the CLI, the per-rank log wrapper and the launcher read it).
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+# And to its rank on its host: MPICH's Hydra, Open MPI, Slurm's srun.
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+# And the ones they set to the number of ranks.
+SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
 
 # Host names and IPv4 addresses; a leading '-' would be read as an mpirun flag.
@@ -60,6 +70,28 @@ RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID
 def rank_from_env(env):
     """This process's rank from the launcher's variables, or None (pure)."""
     for name in RANK_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def local_rank_from_env(env):
+    """This process's rank on its host from the launcher's variables, or None (pure).
+
+    Known before MPI starts, so a GPU can be chosen before ``MPI_Init``
+    (which a CUDA-aware MPI may use to set up CUDA on the current device).
+    """
+    for name in LOCAL_RANK_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def size_from_env(env):
+    """The job's number of ranks from the launcher's variables, or None (pure)."""
+    for name in SIZE_VARIABLES:
         value = env.get(name, "")
         if value.isdigit():
             return int(value)
@@ -256,6 +288,21 @@ def check_logdir(logdir):
         raise UsageError(f"-o {logdir}: cannot create it, {parent} is not writable; choose another log directory")
 
 
+def check_runnable(command, path=None):
+    """Refuse a command this host cannot run, before mpiexec is started.
+
+    mpiexec reports a program it cannot execute with status 255, which looks
+    like a crash: ``--restarts`` would start it again and again.
+    """
+    program = command[0]
+    if shutil.which(program, path=path) is not None:
+        return
+    if os.sep in program and os.path.exists(program):
+        raise UsageError(f"cannot run {program!r}: not an executable file; check the command after '--'")
+    where = "no such file" if os.sep in program else "not found on PATH"
+    raise UsageError(f"cannot run {program!r}: {where}; check the command after '--'")
+
+
 def plan_launch(np, command, *, hostfile=None, host_list=None, logdir=None, mpirun=None,
                 oversubscribe=False):
     """Check a request and decide everything about the job; writes and starts nothing."""
@@ -309,9 +356,26 @@ def _write_files(plan):
     else:
         workdir = tempfile.mkdtemp(prefix="ringtrain-launch-")
         target = os.path.join(workdir, "hostfile")
-    with open(target, "w", encoding="utf-8") as f:
-        f.write(format_hostfile(plan.hosts, plan.flavour))
+    write_replacing(target, format_hostfile(plan.hosts, plan.flavour))
     return target, workdir
+
+
+def write_replacing(path, text):
+    """Write ``text`` to a new file and rename it over ``path``.
+
+    A symbolic link at ``path`` (``-o`` is the user's directory, and may be
+    shared) is replaced, never followed: its target is left as it was.
+    """
+    fd, temporary = tempfile.mkstemp(prefix=".hostfile-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=False, mpirun=None,
@@ -353,6 +417,8 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
         placeholder = os.path.join(plan.logdir, "hostfile") if plan.logdir else "HOSTFILE"
         _print_dry_run(plan, placeholder, stdout)
         return 0
+    if not plan.hosts:  # other hosts may have programs this one lacks
+        check_runnable(plan.command)
     target, workdir = _write_files(plan)
     try:
         args, extra_env = plan.args(target)

@@ -18,7 +18,7 @@ import sys
 from .jobs import RESTART_MARK
 from .launch import RANK_VARIABLES, rank_from_env
 
-__all__ = ["rank_from_env", "main"]
+__all__ = ["rank_from_env", "open_log", "main"]
 
 USAGE = "usage: python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND..."
 
@@ -37,6 +37,20 @@ def _parse(argv):
     return restart, argv[0], argv[1:]
 
 
+def open_log(path, restart):
+    """Open this rank's log for writing without ever writing through a symbolic link.
+
+    A first run starts the log afresh: a symbolic link (or anything else)
+    already at ``path`` is removed, never followed, so its target is left
+    alone. A restart appends (the output of the run that failed is the
+    evidence), and ``O_NOFOLLOW`` refuses a link put there since.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if restart else os.O_TRUNC)
+    if not restart and os.path.islink(path):
+        os.unlink(path)
+    return os.open(path, flags, 0o644)
+
+
 def main(argv=None):
     parsed = _parse(list(sys.argv[1:] if argv is None else argv))
     if parsed is None:
@@ -52,9 +66,11 @@ def main(argv=None):
     # launcher's mkdir only happened on the first host.
     os.makedirs(logdir, exist_ok=True)
     path = os.path.join(logdir, f"rank-{rank}.log")
-    # A restart appends: the output of the run that failed is the evidence.
-    mode = os.O_APPEND if restart else os.O_TRUNC
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o644)
+    try:
+        fd = open_log(path, restart)
+    except OSError as exc:
+        print(f"ringtrain.cluster.rank_log: cannot write {path}: {exc.strerror}; choose another -o", file=sys.stderr)
+        return 2
     if restart:
         os.write(fd, f"{RESTART_MARK}{restart}\n".encode())
     sys.stdout.flush()

@@ -104,9 +104,10 @@ def run(args, cfg):
     """
     from mpi4py import MPI
 
+    from ..cluster.signals import exit_at_once_on
     from ..io.console import bypass_forwarding
     from ..training.loop import Diverged, train
-    from ..training.stopping import EXIT_STATUS, stopped_line
+    from ..training.stopping import EXIT_STATUS, STOP_SIGNALS, stopped_line
 
     master = MPI.COMM_WORLD.Get_rank() == 0
     if master:
@@ -120,6 +121,9 @@ def run(args, cfg):
         if master:
             say(f"ringtrain: error: {exc.advice}")
         return DIVERGED
+    # The run is over and saved: a signal from here on (a second Ctrl-C while
+    # the ranks exit) ends the process quietly, with the status the first promised.
+    exit_at_once_on(STOP_SIGNALS, EXIT_STATUS.get(result.stopped))
     if result.checkpoint is None:
         if master:
             newest = (f"the newest checkpoint on disk is {result.newest_checkpoint}" if result.newest_checkpoint

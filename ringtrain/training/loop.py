@@ -110,7 +110,8 @@ def train(cfg, comm=None, *, model=None, stream=None):
             agree(comm, problem)
             check_same_settings(comm, cfg)
         with starting(dog, "topology allgather"):
-            spec = TaskSpec.from_mpi(comm)
+            # A CPU run never asks CuPy: that would initialise the CUDA driver in every rank.
+            spec = TaskSpec.from_mpi(comm, device_count=None if cfg.device == "gpu" else 0)
         with spec.limited_threads() as threads, StopSignals(comm) as signals:
             run = _Run(start(cfg, comm, spec, model, stream, threads, dog))
             # Divergence is found and said by ringtrain itself: NumPy's overflow

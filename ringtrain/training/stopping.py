@@ -20,13 +20,13 @@ and the previous ones restored, so a program that calls it keeps its own.
 import os
 import signal
 import sys
-import threading
 
 import numpy as np
 
+from ..cluster.signals import swapped_handlers
 from .strategy import STOP_REQUESTS, Metric
 
-__all__ = ["StopSignals", "EXIT_STATUS", "SIGNAL_NAMES", "stopped_line"]
+__all__ = ["StopSignals", "EXIT_STATUS", "SIGNAL_NAMES", "STOP_SIGNALS", "stopped_line"]
 
 # The shell's convention, 128 + the signal's number: 130 for SIGINT, 143 for
 # SIGTERM, and 138 for SIGUSR1 (on Linux), which a job script can tell apart
@@ -35,6 +35,8 @@ EXIT_STATUS = {"sigint": 128 + signal.SIGINT, "sigterm": 128 + signal.SIGTERM, "
 SIGNAL_NAMES = {"sigint": "SIGINT", "sigterm": "SIGTERM", "sigusr1": "SIGUSR1"}
 
 _SLOTS = {signal.SIGINT: Metric.SIGINT, signal.SIGTERM: Metric.SIGTERM, signal.SIGUSR1: Metric.SIGUSR1}
+# The signals the trainer turns into a graceful stop.
+STOP_SIGNALS = tuple(_SLOTS)
 
 
 class StopSignals:
@@ -51,18 +53,15 @@ class StopSignals:
     def __init__(self, comm, stream=None):
         self.comm, self.stream = comm, stream
         self.caught = None  # the first stop signal's number
-        self._previous = {}
+        self._handlers = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in _SLOTS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        self._handlers = swapped_handlers(STOP_SIGNALS, self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        self._handlers.__exit__(None, None, None)
         return False
 
     def _handle(self, signum, frame):

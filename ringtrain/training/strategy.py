@@ -32,6 +32,7 @@ import enum
 import numpy as np
 
 from ..comm.buckets import allreduce_many_, plan_buckets
+from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
 from ..models.base import flat_layout
 from .sharded import ShardedStep, shardable
@@ -157,7 +158,7 @@ class AllreduceThenUpdate(Strategy):
             loss, grads, correct = self.model.loss_and_grad(xb, yb)
         with self.phases.collective("allreduce", "gradient allreduce", step):
             allreduce_many_(self._slices or [grads[n] for n in reversed(grads)], op="mean", comm=self.comm,
-                            bucket_bytes=self.bucket_bytes, algorithm=self.algorithm, compression=self.compression)
+                            bucket_bytes=self.bucket_bytes, transport=self.algorithm, compression=self.compression)
         return self._update_and_sum(step, grads, loss, correct, len(xb), lr, stop_requests, metrics)
 
     def _update_and_sum(self, step, grads, loss, correct, rows, lr, stop_requests, metrics):
@@ -185,8 +186,8 @@ class OverlappedAllreduce(AllreduceThenUpdate):
         # a FlatModel's gradient buffer is reduced in place.
         grads = getattr(model, "grads", None) or {n: opt.xp.zeros_like(p) for n, p in params.items()}
         trace = self._bucket_span if phases.timeline.enabled else None
-        self.reducer = Reducer(comm, {n: grads[n] for n in reversed(params)}, bucket_bytes, op="mean",
-                               compression=compression, algorithm=algorithm, trace=trace)
+        hook = allreduce_hook("mean", algorithm, compression)
+        self.reducer = Reducer(comm, {n: grads[n] for n in reversed(params)}, hook, bucket_bytes, trace=trace)
         self.description = self.description.replace(")", f", overlapped in {len(self.reducer.buckets)} buckets)", 1)
         self._step = None
 

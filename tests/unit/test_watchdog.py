@@ -47,3 +47,33 @@ def test_single_rank_needs_no_thread():
     with dog.watch("allreduce"):
         pass
     assert dog._thread is None
+
+
+# --- the start-up watchdog: a watcher process, since MPI_Init holds the GIL -------------------
+
+STARTUP = ("import sys, time; from ringtrain.watchdog import StartupWatchdog\n"
+           "with StartupWatchdog(float(sys.argv[1]), 'start-up: test', env={'PMI_RANK': '1', 'PMI_SIZE': '2'},"
+           " grace=0.1):\n"
+           "    time.sleep(float(sys.argv[2]))\n"
+           "print('ended in time')\n")
+
+
+def test_the_startup_watchdog_kills_a_rank_stuck_past_its_bound():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", STARTUP, "0.5", "60"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == -signal.SIGKILL, result
+    assert time.monotonic() - began < 10
+    assert result.stderr == "rank 1: start-up: test did not finish within 0.5s (raise --timeout if this is expected)\n"
+
+
+def test_the_startup_watchdog_is_quiet_and_gone_when_start_up_ends_in_time():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", STARTUP, "5", "0.1"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout == "ended in time\n" and result.stderr == "", result
