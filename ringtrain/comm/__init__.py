@@ -19,13 +19,17 @@ How the pieces fit:
 * :mod:`~ringtrain.comm.reducer`: buckets reduced on a thread while backward
   runs; :mod:`~ringtrain.comm.state`: what is cached on each communicator;
   :mod:`~ringtrain.comm.schedule`: the pure index maths.
+* :mod:`~ringtrain.comm.guard`: the time bound on the public collectives
+  (``set_timeout``, ``timeout``, ``RINGTRAIN_TIMEOUT``) and the refusal of a
+  second thread on one communicator.
 """
 
 from .buckets import allreduce_many_, plan_buckets
 from .collectives import allreduce, allreduce_, broadcast_
+from .guard import get_timeout, set_timeout, timeout
 from .reducer import Reducer
 from .state import release
 from .transports import TRANSPORTS, create_transport
 
 __all__ = ["allreduce", "allreduce_", "allreduce_many_", "broadcast_", "plan_buckets", "Reducer", "TRANSPORTS",
-           "create_transport", "release"]
+           "create_transport", "release", "set_timeout", "get_timeout", "timeout"]

@@ -48,6 +48,7 @@ import numpy as np
 from .. import backend
 from ..errors import UsageError
 from .cuda_aware import cuda_aware
+from .guard import collective
 from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, code_of,
                      exchange, raise_mismatch)
 from .plans import small_plan
@@ -166,6 +167,7 @@ def _flat_view(x):
     return None
 
 
+@collective("allreduce_")
 def allreduce_(x, op="mean", comm=None, algorithm="auto"):
     """Reduce ``x`` across the ranks of ``comm``, in place.
 
@@ -211,6 +213,7 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
     return x
 
 
+@collective("allreduce")
 def allreduce(x, op="mean", comm=None, algorithm="auto"):
     """Reduce ``x`` across the ranks of ``comm`` into a new array.
 
@@ -224,6 +227,7 @@ def allreduce(x, op="mean", comm=None, algorithm="auto"):
     return result
 
 
+@collective("broadcast_")
 def broadcast_(x, root=0, comm=None):
     """Overwrite ``x`` on every rank with ``root``'s ``x``, in place.
 
