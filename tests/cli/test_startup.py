@@ -44,6 +44,16 @@ def test_a_rank_that_never_reaches_mpi_ends_the_job_within_the_timeout(tmp_path,
     assert "Traceback" not in result.stderr, show(result)
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_info_is_bounded_at_start_up_too(np):
+    args = mpirun_command(np - 1, ringtrain("info")) + [":", "-np", "1", sys.executable, "-c", LATE, "stop", "info"]
+    began = time.monotonic()
+    result = run(args, timeout=90, env=job_env(RINGTRAIN_TIMEOUT="4"))
+    assert result.returncode != 0 and time.monotonic() - began < 25, show(result)
+    assert "rank 0: start-up: MPI start did not finish within 4s (a rank that printed no such line" in result.stderr, \
+        show(result)
+
+
 def test_the_start_up_bound_costs_nothing_when_every_rank_is_there(tmp_path):
     result = run(mpirun_command(2, ringtrain("train", *SMALL, "--timeout", "5", "--run-dir", str(tmp_path / "r"))),
                  timeout=90)
