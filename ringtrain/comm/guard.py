@@ -76,8 +76,7 @@ class _Guard:
         self.timeout = _default_timeout()
         self.calls = 0
         self._busy = threading.Lock()
-        self._owner = self._who = None
-        self._depth = 0
+        self._holder = None  # (thread id, collective) of the thread inside one
         self._dog = None
 
     def set_timeout(self, seconds):
@@ -87,23 +86,28 @@ class _Guard:
         self.timeout = seconds
 
     def enter(self, who):
-        """Mark this thread as in a collective on the communicator; refuse a second thread."""
-        me = threading.get_ident()
-        if not self._busy.acquire(blocking=False):
-            if self._owner != me:
-                raise UsageError(f"{who}: another thread is in {self._who} on this communicator; call ringtrain's "
-                                 "collectives on one communicator from one thread at a time (use a lock, or give "
-                                 "each thread its own communicator with comm.Dup())")
-            self._depth += 1  # a collective made of collectives (average_gradients_): the outer one is watched
-            return
-        self._owner, self._who, self._depth = me, who, 1
-        self.calls += 1
-        if self.timeout is not None:
-            try:
-                self._arm(who)
-            except BaseException:
-                self.exit()
-                raise
+        """Mark this thread as in ``who`` on the communicator; True for the outermost collective.
+
+        A nested call from the same thread (a collective made of collectives,
+        such as ``average_gradients_``) returns False: the outer call is the
+        one watched and the one whose exit releases. Another thread is refused.
+        """
+        if self._busy.acquire(False):
+            self._holder = (threading.get_ident(), who)
+            self.calls += 1
+            if self.timeout is not None:
+                try:
+                    self._arm(who)
+                except BaseException:
+                    self.exit()
+                    raise
+            return True
+        holder = self._holder
+        if holder is not None and holder[0] == threading.get_ident():
+            return False
+        raise UsageError(f"{who}: another thread is in {holder[1] if holder else 'a collective'} on this "
+                         "communicator; call ringtrain's collectives on one communicator from one thread at a time "
+                         "(use a lock, or give each thread its own communicator with comm.Dup())")
 
     def _arm(self, who):
         if self._dog is None:
@@ -113,12 +117,10 @@ class _Guard:
         self._dog.arm(f"{who} (call {self.calls} on this communicator)")
 
     def exit(self):
-        self._depth -= 1
-        if self._depth:
-            return
+        """Leave the outermost collective: disarm, and let another thread in."""
         if self._dog is not None:
             self._dog.disarm()
-        self._owner = self._who = None
+        self._holder = None
         self._busy.release()
 
 
@@ -180,7 +182,8 @@ def collective(who):
         @functools.wraps(function)
         def watched(*args, **kwargs):
             guard = _guard_of(args[position] if len(args) > position else kwargs.get("comm"))
-            guard.enter(who)
+            if not guard.enter(who):
+                return function(*args, **kwargs)
             try:
                 return function(*args, **kwargs)
             finally:
