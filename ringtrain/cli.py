@@ -137,11 +137,10 @@ def _start_mpi():
 
     The bound is the library's (``RINGTRAIN_TIMEOUT``) when set, else train's default ``--timeout``.
     """
-    from .comm.guard import ENV, parse_timeout
+    from .comm.guard import timeout_from_env
     from .watchdog import StartupWatchdog
 
-    text = os.environ.get(ENV, "").strip()
-    bound = parse_timeout(text, what=f"{ENV}={text!r}:") if text else _default_timeout()
+    bound = timeout_from_env() or _default_timeout()
     with StartupWatchdog(bound, "start-up: MPI start", hint=_STARTUP_HINT):
         from mpi4py import MPI  # noqa: F401 - importing it starts MPI
 

@@ -38,7 +38,7 @@ from ..errors import UsageError
 from ..watchdog import Watchdog
 from .state import state_of
 
-__all__ = ["ENV", "set_timeout", "get_timeout", "timeout", "collective", "parse_timeout"]
+__all__ = ["ENV", "set_timeout", "get_timeout", "timeout", "collective", "parse_timeout", "timeout_from_env"]
 
 ENV = "RINGTRAIN_TIMEOUT"
 HINT = ("a rank that printed no such line is not in this collective: it raised, returned or called another; "
@@ -61,11 +61,16 @@ def parse_timeout(value, what="timeout"):
     return seconds
 
 
-def _default_timeout():
-    text = os.environ.get(ENV, "").strip()
+def timeout_from_env(env=None):
+    """The bound :data:`ENV` sets, or None when it is unset or empty (pure, given ``env``)."""
+    text = (os.environ if env is None else env).get(ENV, "").strip()
     if not text:
         return None
-    return parse_timeout(text, what=f"{ENV}={text!r}:")
+    try:
+        return parse_timeout(text)
+    except UsageError:
+        raise UsageError(f"{ENV}={text!r}: must be a number of seconds > 0; unset it for no bound",
+                         everywhere=True) from None
 
 
 class _Guard:
@@ -73,7 +78,7 @@ class _Guard:
 
     def __init__(self, comm):
         self.comm = comm
-        self.timeout = _default_timeout()
+        self.timeout = timeout_from_env()
         self.calls = 0
         self._busy = threading.Lock()
         self._holder = None  # (thread id, collective) of the thread inside one

@@ -84,3 +84,14 @@ def test_under_mpirun_rank_0_alone_reports_and_nothing_is_called_stale():
     result = run(mpirun_command(2, ringtrain("train", "--epochs", "0"), mpirun=find_mpirun()), timeout=60)
     assert result.returncode == 2, show(result)
     assert result.stderr.splitlines() == ["ringtrain: error: --epochs: must be > 0, got 0"], show(result)
+
+
+@pytest.mark.parametrize("np", [1, 2])
+def test_a_bad_bound_in_the_environment_is_one_line_and_exit_2(tmp_path, np):
+    from refusals import assert_refused
+
+    env = job_env(RINGTRAIN_TIMEOUT="soon")
+    start = (lambda cmd: run(cmd, timeout=30, env=env)) if np == 1 else \
+        (lambda cmd: run(mpirun_command(np, cmd), timeout=30, env=env))
+    assert_refused(tmp_path, ["info"], "RINGTRAIN_TIMEOUT='soon': must be a number of seconds > 0; unset it",
+                   start, lambda tmp: None)

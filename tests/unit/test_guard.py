@@ -34,12 +34,12 @@ def test_set_returns_the_previous_bound_and_the_block_restores_it():
 
 def test_the_environment_gives_the_default(monkeypatch):
     monkeypatch.setenv(guard.ENV, "12.5")
-    assert guard._default_timeout() == 12.5
+    assert guard.timeout_from_env() == 12.5
     monkeypatch.setenv(guard.ENV, "later")
-    with pytest.raises(UsageError, match="^RINGTRAIN_TIMEOUT='later': must be a number of seconds > 0"):
-        guard._default_timeout()
+    with pytest.raises(UsageError, match="^RINGTRAIN_TIMEOUT='later': must be a number of seconds > 0; unset it"):
+        guard.timeout_from_env()
     monkeypatch.setenv(guard.ENV, "")
-    assert guard._default_timeout() is None
+    assert guard.timeout_from_env() is None
 
 
 def test_collectives_still_work_under_a_bound():
