@@ -152,6 +152,23 @@ def _agree_at_start_up(problem, timeout):
         return MPI.COMM_WORLD.allgather(problem)
 
 
+# The commands besides train that start MPI (and so wait in MPI_Init for every rank).
+_STARTS_MPI = ("info", "bench")
+
+
+def _start_mpi():
+    """Start MPI within a bound, so a rank that never arrives cannot hold the others for ever.
+
+    The bound is the library's (``RINGTRAIN_TIMEOUT``) when set, else train's default ``--timeout``.
+    """
+    from .comm.guard import timeout_from_env
+    from .watchdog import StartupWatchdog
+
+    bound = timeout_from_env() or _default_timeout()
+    with StartupWatchdog(bound, "start-up: MPI start", hint=_STARTUP_HINT):
+        from mpi4py import MPI  # noqa: F401 - importing it starts MPI
+
+
 def _default_timeout():
     from .training.config import TrainConfig
 
@@ -212,6 +229,8 @@ def main(argv=None):
             args = build_parser().parse_args(argv)
             if args.command is None:
                 raise UsageError("no command given; choose one of " + ", ".join(COMMANDS), everywhere=True)
+            if args.command in _STARTS_MPI:
+                _start_mpi()
             return args._run(args) or 0
     except UsageError as exc:
         prints, stale = _who_reports()

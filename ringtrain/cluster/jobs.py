@@ -6,6 +6,7 @@ is the part that starts processes. Imports only the standard library and
 its neighbours in :mod:`ringtrain.cluster` (signals, reaper, leftovers).
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -17,7 +18,8 @@ from . import leftovers, reaper
 from .signals import swapped_handlers
 
 __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "failure_report",
-           "format_failure_report", "failed_rank", "read_rank_logs", "read_tail", "Forwarder", "run_job",
+           "format_failure_report", "failed_rank", "first_failed", "exit_record_name", "parse_exit_record",
+           "read_rank_logs", "read_exit_records", "read_tail", "Forwarder", "run_job",
            "run_with_restarts", "STOP_SIGNALS", "FORWARDED"]
 
 
@@ -75,6 +77,25 @@ def last_run(text):
     return "" if end < 0 else text[end + 1:]
 
 
+def exit_record_name(rank):
+    """The file in the log directory that says when and how rank ``rank``'s command failed (rank_log writes it)."""
+    return f"rank-{rank}.exit"
+
+
+def parse_exit_record(text):
+    """``(time, status)`` from an exit record's text, or None when it is not one (pure)."""
+    parts = text.split()
+    try:
+        return (float(parts[0]), int(parts[1])) if len(parts) == 2 else None
+    except ValueError:
+        return None
+
+
+def first_failed(exits):
+    """The rank whose process failed first, from ``{rank: (time, status)}``, or None (pure)."""
+    return min(exits, key=lambda rank: (exits[rank][0], rank)) if exits else None
+
+
 def failed_rank(logs):
     """The rank whose log shows it failed, or None when no log does (pure).
 
@@ -90,22 +111,26 @@ def failed_rank(logs):
     return stalled[0] if stalled else None
 
 
-def failure_report(logs, lines=10, max_ranks=4):
+def failure_report(logs, lines=10, max_ranks=4, exits=None):
     """Which rank failed and the log lines that show why (pure).
 
     Args:
         logs: ``{rank: text of the latest run}`` for the rank logs this host can read.
         lines: how many lines to show from each log.
         max_ranks: how many logs to show when none shows a failure.
+        exits: ``{rank: (time, status)}`` of the ranks whose process failed
+            (their exit records), for when no log shows who failed.
 
     Returns:
         ``(rank, [(rank, last lines), ...])``: the rank :func:`failed_rank`
-        blames and its last lines; or, when it blames none, ``None`` and
-        the last lines of the first ``max_ranks`` non-empty logs.
+        blames (else the one whose process failed first) and its last
+        lines; or, when none is, ``None`` and the last lines of the first
+        ``max_ranks`` non-empty logs.
     """
     def tail(text):
         return text.splitlines()[-lines:]
     rank = failed_rank(logs)
+    rank = rank if rank is not None else first_failed(exits or {})
     if rank is not None:
         return rank, [(rank, tail(logs.get(rank, "")))]
     shown = [(rank, tail(logs[rank])) for rank in sorted(logs) if logs[rank].strip()]
@@ -136,6 +161,20 @@ def read_rank_logs(logdir):
             except OSError:
                 continue
     return logs
+
+
+def read_exit_records(logdir):
+    """``{rank: (time, status)}`` from the exit records in ``logdir`` (the latest run's only)."""
+    records = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(logdir):
+            match = re.fullmatch(r"rank-([0-9]+)\.exit", name)
+            if match:
+                with contextlib.suppress(OSError):
+                    record = parse_exit_record(read_tail(os.path.join(logdir, name), 256))
+                    if record is not None:
+                        records[int(match.group(1))] = record
+    return records
 
 
 def read_tail(path, limit=TAIL_BYTES):
@@ -267,7 +306,7 @@ def _report_failure(logdir, stderr):
     """Print the failing rank's last lines from the rank logs; returns the rank, if known."""
     if logdir is None:
         return None
-    rank, shown = failure_report(read_rank_logs(logdir))
+    rank, shown = failure_report(read_rank_logs(logdir), exits=read_exit_records(logdir))
     for line in format_failure_report(logdir, shown):
         print(line, file=stderr)
     stderr.flush()

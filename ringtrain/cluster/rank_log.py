@@ -6,19 +6,24 @@ every rank::
     python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND...
 
 The rank comes from the variable the MPI launcher sets; the file is opened,
-made the process's stdout and stderr, and the command replaces this process
-(``exec``), so its exit status and signals reach mpirun unchanged. With
+made the process's stdout and stderr, and the command runs as a child that
+dies with this process; its exit status and signals reach mpirun unchanged,
+and a failure also leaves ``LOGDIR/rank-R.exit`` (when, and the status), so
+the launcher can tell which rank failed first. With
 ``--restart N`` (the launcher's N-th restart of the job) the log is appended
 to after a marker line, so the failed run's output is kept.
 """
 
+import contextlib
 import os
+import signal
 import sys
+import time
 
-from .jobs import RESTART_MARK
+from .jobs import FORWARDED, RESTART_MARK, exit_record_name
 from .launch import RANK_VARIABLES, rank_from_env
 
-__all__ = ["rank_from_env", "open_log", "main"]
+__all__ = ["rank_from_env", "open_log", "run_recorded", "main"]
 
 USAGE = "usage: python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND..."
 
@@ -78,12 +83,66 @@ def main(argv=None):
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    try:
-        os.execvp(command[0], command)
-    except OSError as exc:
-        # Like a shell: the reason goes to the log, 127 to mpirun.
-        print(f"ringtrain.cluster.rank_log: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
+    record = os.path.join(logdir, exit_record_name(rank))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record)  # a record is the latest run's or none
+    return run_recorded(command, record)
+
+
+def run_recorded(command, record):
+    """Run ``command`` as a child; if it fails, write when and how to ``record``; end as it ended.
+
+    Not an ``exec``: the launcher's failure report wants the rank whose
+    process failed first, and only a parent can see a child die of SIGKILL
+    (out of memory) with nothing in its log. The signals mpiexec sends are
+    passed on, the child dies with this wrapper (``PR_SET_PDEATHSIG``), and
+    the wrapper ends with the child's status or signal, so mpirun sees what
+    it would have seen.
+    """
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _die_with(parent)
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:
+            # Like a shell: the reason goes to the log, 127 to mpirun.
+            print(f"ringtrain.cluster.rank_log: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+            sys.stderr.flush()
+        os._exit(127)
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        _write_record(record, f"{time.time():.6f} {code}\n")
+    if code < 0:  # die of the same signal, as the child did
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return 128 - code if code < 0 else code
+
+
+def _die_with(parent):
+    """In the child: SIGKILL when the wrapper dies (mpiexec kills the wrapper, not its child)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, Linux only
+    if os.getppid() != parent:  # the wrapper died before the line above
+        os._exit(137)
+
+
+def _write_record(path, text):
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
 
 
 if __name__ == "__main__":

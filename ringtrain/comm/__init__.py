@@ -22,14 +22,19 @@ How the pieces fit:
   (:mod:`~ringtrain.comm.exchange`: the header exchange's mailbox;
   :mod:`~ringtrain.comm.staging`: GPU arrays through pinned host memory);
   :mod:`~ringtrain.comm.schedule`: the pure index maths.
+* :mod:`~ringtrain.comm.guard`: the time bound on the public collectives
+  (``set_timeout``, ``timeout``, ``RINGTRAIN_TIMEOUT``) and the refusal of a
+  second thread on one communicator.
 """
 
 from .buckets import allreduce_many_, plan_buckets
 from .collectives import allreduce, allreduce_, broadcast_
 from .hooks import allreduce_hook, fp16_compress_hook
+from .guard import get_timeout, set_timeout, timeout
 from .reducer import Reducer
 from .state import release
 from .transports import TRANSPORTS, create_transport, open_transport
 
 __all__ = ["allreduce", "allreduce_", "allreduce_many_", "broadcast_", "plan_buckets", "Reducer", "allreduce_hook",
-           "fp16_compress_hook", "TRANSPORTS", "create_transport", "open_transport", "release"]
+           "fp16_compress_hook", "TRANSPORTS", "create_transport", "open_transport", "release", "set_timeout",
+           "get_timeout", "timeout"]

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import backend
 from .collectives import NO_PROBLEM, is_writeable, reduce_flat
+from .guard import collective
 from .header import DTYPE_CODE, DTYPES, SIGNATURE_MASK, Problem
 from .policy import transport_choice
 from .state import state_of
@@ -50,6 +51,7 @@ def plan_buckets(arrays, bucket_bytes):
     return buckets
 
 
+@collective("allreduce_many_")
 def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, transport="auto", compression=None,
                     algorithm=None):
     """Reduce a list of arrays in place, fused into buckets (a model's gradients).

@@ -48,6 +48,7 @@ import numpy as np
 from .. import backend
 from ..errors import UsageError
 from .cuda_aware import cuda_aware
+from .guard import collective
 from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, code_of,
                      exchange, raise_mismatch)
 from .plans import small_plan
@@ -162,6 +163,7 @@ def _flat_view(x):
     return None
 
 
+@collective("allreduce_")
 def allreduce_(x, op="mean", comm=None, transport="auto", algorithm=None):
     """Reduce ``x`` across the ranks of ``comm``, in place.
 
@@ -212,6 +214,7 @@ def allreduce_(x, op="mean", comm=None, transport="auto", algorithm=None):
     return x
 
 
+@collective("allreduce")
 def allreduce(x, op="mean", comm=None, transport="auto", algorithm=None):
     """Reduce ``x`` across the ranks of ``comm`` into a new array.
 
@@ -226,6 +229,7 @@ def allreduce(x, op="mean", comm=None, transport="auto", algorithm=None):
     return result
 
 
+@collective("broadcast_")
 def broadcast_(x, root=0, comm=None):
     """Overwrite ``x`` on every rank with ``root``'s ``x``, in place.
 

@@ -33,6 +33,7 @@ import numpy as np
 from .. import backend
 from ..comm import allreduce_, allreduce_many_, broadcast_
 from ..comm.state import state_of
+from ..comm.guard import collective
 from ..backend import contiguous_span
 
 __all__ = ["average_gradients_", "broadcast_parameters_", "broadcast_tensors_", "bucket_view_", "gradient_arrays",
@@ -119,6 +120,7 @@ def _one_buffer(tensors):
     return contiguous_span([as_array(t) for t in tensors], within=whole)
 
 
+@collective("average_gradients_")
 def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
     """Average the module's gradients across the ranks of ``comm``, in place; collective.
 
@@ -154,6 +156,7 @@ def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
     return module
 
 
+@collective("broadcast_parameters_")
 def broadcast_parameters_(module, root=0, comm=None):
     """Overwrite every parameter and buffer with ``root``'s, in place, whatever their dtypes; collective."""
     broadcast_tensors_(list(module.parameters()) + list(module.buffers()), root=root, comm=comm)

@@ -55,6 +55,7 @@ if sys.argv[1:2] == ["--version"]:
     print("a stuck mpiexec"); sys.exit(0)
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
+open(os.environ["STUCK_PID"], "w").write(str(os.getpid()))
 if os.environ.get("STUCK_CHILD"):
     # A proxy that ignores every polite signal too (SIG_IGN survives exec).
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -68,7 +69,9 @@ def start_stuck(tmp_path, child=False):
     fake = tmp_path / "mpirun"
     fake.write_text(STUCK_MPIRUN.format(python=sys.executable))
     fake.chmod(0o755)
-    env = job_env(STUCK_CHILD=str(tmp_path / "child.pid")) if child else job_env()
+    env = job_env(STUCK_PID=str(tmp_path / "mpirun.pid"))
+    if child:
+        env["STUCK_CHILD"] = str(tmp_path / "child.pid")
     launcher = subprocess.Popen(ringtrain("launch", "-np", "2", "--mpirun", str(fake), "--", "true"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                 env=env, cwd=ROOT, start_new_session=True)
@@ -77,10 +80,15 @@ def start_stuck(tmp_path, child=False):
     return launcher
 
 
-def end(launcher):
+def end(launcher, tmp_path=None):
+    """Kill whatever is left: the launcher's group, and a fake mpirun in its own session."""
     if launcher.poll() is None:
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
+    for name in ("mpirun.pid", "child.pid"):
+        path = tmp_path / name if tmp_path is not None else None
+        if path is not None and path.exists() and alive(int(path.read_text())):
+            os.kill(int(path.read_text()), signal.SIGKILL)
 
 
 def test_sigterm_ends_an_mpiexec_that_started_nothing_and_ignores_sigterm(tmp_path):
@@ -91,8 +99,9 @@ def test_sigterm_ends_an_mpiexec_that_started_nothing_and_ignores_sigterm(tmp_pa
         launcher.wait(timeout=15)
         assert time.monotonic() - began < 10
         assert launcher.returncode != 0
+        assert not alive(int((tmp_path / "mpirun.pid").read_text()))
     finally:
-        end(launcher)
+        end(launcher, tmp_path)
 
 
 def test_a_second_sigterm_ends_a_stuck_job_and_everything_it_started(tmp_path):
@@ -109,18 +118,19 @@ def test_a_second_sigterm_ends_a_stuck_job_and_everything_it_started(tmp_path):
         assert time.monotonic() - began < 10
         assert wait_until(lambda: not alive(child), 5), "the stuck child outlived the launcher"
     finally:
-        end(launcher)
-        if (tmp_path / "child.pid").exists() and alive(int((tmp_path / "child.pid").read_text())):
-            os.kill(int((tmp_path / "child.pid").read_text()), signal.SIGKILL)
+        end(launcher, tmp_path)
 
 
 # --- the failure report blames only a real failure ---------------------------------------
 
 @pytest.mark.parametrize("np", [2, 3])
-def test_the_report_blames_the_failed_rank_not_one_that_printed_error(tmp_path, np):
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_the_report_blames_the_failed_rank_not_one_that_printed_error(tmp_path, np, how):
+    # raise: the failing rank's log holds ringtrain's failure record; kill: its
+    # log is empty, and only its exit record says it was the first to die.
     logs = tmp_path / "logs"
     result = run(ringtrain("launch", "-np", str(np), "-o", str(logs), "--",
-                           sys.executable, os.path.join(PROGRAMS, "blame.py")), timeout=60)
+                           sys.executable, os.path.join(PROGRAMS, "blame.py"), how), timeout=60)
     assert result.returncode not in (0, 2), show(result)
     shown = [line for line in result.stderr.splitlines() if line.startswith("ringtrain launch: last ")]
     assert len(shown) == 1 and shown[0].endswith(f"/rank-{np - 1}.log:"), show(result)

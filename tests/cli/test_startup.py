@@ -44,6 +44,16 @@ def test_a_rank_that_never_reaches_mpi_ends_the_job_within_the_timeout(tmp_path,
     assert "Traceback" not in result.stderr, show(result)
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_info_is_bounded_at_start_up_too(np):
+    args = mpirun_command(np - 1, ringtrain("info")) + [":", "-np", "1", sys.executable, "-c", LATE, "stop", "info"]
+    began = time.monotonic()
+    result = run(args, timeout=90, env=job_env(RINGTRAIN_TIMEOUT="4"))
+    assert result.returncode != 0 and time.monotonic() - began < 25, show(result)
+    assert "rank 0: start-up: MPI start did not finish within 4s (a rank that printed no such line" in result.stderr, \
+        show(result)
+
+
 def test_the_start_up_bound_costs_nothing_when_every_rank_is_there(tmp_path):
     result = run(mpirun_command(2, ringtrain("train", *SMALL, "--timeout", "5", "--run-dir", str(tmp_path / "r"))),
                  timeout=90)
@@ -74,3 +84,14 @@ def test_under_mpirun_rank_0_alone_reports_and_nothing_is_called_stale():
     result = run(mpirun_command(2, ringtrain("train", "--epochs", "0"), mpirun=find_mpirun()), timeout=60)
     assert result.returncode == 2, show(result)
     assert result.stderr.splitlines() == ["ringtrain: error: --epochs: must be > 0, got 0"], show(result)
+
+
+@pytest.mark.parametrize("np", [1, 2])
+def test_a_bad_bound_in_the_environment_is_one_line_and_exit_2(tmp_path, np):
+    from refusals import assert_refused
+
+    env = job_env(RINGTRAIN_TIMEOUT="soon")
+    start = (lambda cmd: run(cmd, timeout=30, env=env)) if np == 1 else \
+        (lambda cmd: run(mpirun_command(np, cmd), timeout=30, env=env))
+    assert_refused(tmp_path, ["info"], "RINGTRAIN_TIMEOUT='soon': must be a number of seconds > 0; unset it",
+                   start, lambda tmp: None)

@@ -66,6 +66,17 @@ def test_after_a_stall_the_rank_the_watchdogs_waited_on_is_blamed():
     assert J.failed_rank(logs) == 1
 
 
+def test_without_a_record_in_any_log_the_rank_whose_process_failed_first_is_blamed(tmp_path):
+    logs = {0: "validation error: 0.3\n", 1: "", 2: "step 4\n"}
+    exits = {2: (105.0, -9), 1: (100.5, -9), 0: (106.0, 1)}
+    assert J.failure_report(logs, exits=exits) == (1, [(1, [])])
+    assert J.failure_report({0: "rank 0: RuntimeError: x\n"}, exits={1: (1.0, -9)})[0] == 0  # the record wins
+    (tmp_path / "rank-3.exit").write_text("123.5 -9\n")
+    (tmp_path / "rank-4.exit").write_text("garbage\n")
+    assert J.read_exit_records(str(tmp_path)) == {3: (123.5, -9)}
+    assert J.parse_exit_record("1.5 2") == (1.5, 2) and J.parse_exit_record("x y") is None
+
+
 def test_only_the_tail_of_a_long_log_is_read(tmp_path):
     path = tmp_path / "rank-0.log"
     path.write_bytes(b"x" * 10 + b"\n" + b"filler line\n" * 100_000 + b"the end\n")
