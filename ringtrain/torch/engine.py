@@ -183,21 +183,9 @@ class Engine:
         return None
 
     def _execute(self, group):
-        op, entry = group[0]
+        op = group[0][0]
         comm = self.comm if op.process_set == 0 else self.runtime.extras["process_sets"].comm_of(op.process_set)
-        # Horovod's timeline has a row per op; here each fused run is one bar on the engine's row.
-        label = f"{entry.kind} {op.name}" + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-        span = self.timeline.span(label, tid=1) if self.timeline is not None else contextlib.nullcontext()
-        try:
-            with span:
-                results = kernels.run(entry.kind, comm, group)
-        except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-            error = exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
-            for _, e in group:
-                e.pending.fail(error)
-            return
-        for (_, e), result in zip(group, results):
-            e.pending.succeed(result)
+        execute(group, comm, self.timeline)
 
     def _fail_all(self, exc):
         with self._cond:
@@ -244,6 +232,25 @@ class Announcer:
         if min(lengths) < 0:
             return self.comm.allgather(announced)
         return [pickle.loads(slots[r, 1:].view(np.uint8)[:n].tobytes()) if n else [] for r, n in enumerate(lengths)]
+
+
+
+def execute(group, comm, timeline):
+    """Run one op (or a fused run) with its kernel; each entry succeeds with its result or fails."""
+    op, entry = group[0]
+    # Horovod's timeline has a row per op; here each fused run is one bar on the engine's row.
+    label = f"{entry.kind} {op.name}" + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+    span = timeline.span(label, tid=1) if timeline is not None else contextlib.nullcontext()
+    try:
+        with span:
+            results = kernels.run(entry.kind, comm, group)
+    except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+        error = exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
+        for _, e in group:
+            e.pending.fail(error)
+        return
+    for (_, e), result in zip(group, results):
+        e.pending.succeed(result)
 
 
 def _problem(op, entry):
