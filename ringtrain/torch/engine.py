@@ -93,8 +93,16 @@ class Engine:
                 raise DuplicateNameError(f"an op named {entry.name!r} is already in flight on this rank; "
                                          "wait for it (synchronize) or use another name")
             self._in_flight.add(key)
+            if entry.pending is not None:
+                entry.pending.collected = lambda: self._release(key)
             self._queue.append(entry)
             self._cond.notify()
+
+    def _release(self, key):
+        # A name stays taken until synchronize has the result, not just until the op ends:
+        # whether a quick op has ended before the caller reuses its name is a race.
+        with self._cond:
+            self._in_flight.discard(key)
 
     def stop(self, timeout=30.0):
         """Announce shutdown and wait for the thread; every rank must call it (collective)."""
@@ -174,13 +182,8 @@ class Engine:
         key = (op.process_set, op.name)
         entry = self._mine.pop(key, None)
         if entry is not None:
-            with self._cond:
-                self._in_flight.discard(key)
             return entry
-        if self.rank in op.joined and dict(op.meta)["kind"] == "allreduce" and op.mismatch is None:
-            zeros = kernels.zeros_like_meta(op.meta)
-            return Entry(op.name, op.process_set, "allreduce", op.meta, None, (zeros, zeros), handles.Pending())
-        return None
+        return _stand_in(op) if self.rank in op.joined else None
 
     def _execute(self, group):
         op = group[0][0]
@@ -251,6 +254,14 @@ def execute(group, comm, timeline):
         return
     for (_, e), result in zip(group, results):
         e.pending.succeed(result)
+
+
+def _stand_in(op):
+    """A joined rank's part in an allreduce it did not submit: zeros, or None for any other op."""
+    if dict(op.meta)["kind"] != "allreduce" or op.mismatch is not None:
+        return None
+    zeros = kernels.zeros_like_meta(op.meta)
+    return Entry(op.name, op.process_set, "allreduce", op.meta, None, (zeros, zeros), handles.Pending())
 
 
 def _problem(op, entry):
