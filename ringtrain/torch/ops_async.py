@@ -65,11 +65,18 @@ def _set_id(process_set, who):
     return ps.process_set_id
 
 
-def submit(kind, name, process_set, meta, info, args, pending=None):
-    """Queue one op on the engine; return its :class:`~ringtrain.torch.handles.Pending`."""
+def submit(kind, name, process_set, meta, info, args, pending=None, exact=False):
+    """Queue one op on the engine; return its :class:`~ringtrain.torch.handles.Pending`.
+
+    ``name`` gets the kind in front (names are per kind, as in Horovod: an
+    allreduce and a broadcast may share one) unless ``exact``.
+    """
     eng = engine()
     pending = pending or handles.Pending()
-    name = eng.auto_name(kind) if name is None else str(name)
+    if name is None:
+        name = eng.auto_name(kind)
+    elif not exact:
+        name = f"{kind}.{name}"
     if tensor_is_cuda(args):
         torch.cuda.current_stream().synchronize()  # the engine's thread reads the tensor next
     eng.submit(Entry(name, _set_id(process_set, kind), kind, meta, info, args, pending))
@@ -118,7 +125,7 @@ def _grouped(kind, tensors, name, one):
     if not tensors:
         raise ValueError(f"grouped_{kind}: the list of tensors is empty")
     base = engine().auto_name(f"grouped_{kind}") if name is None else str(name)
-    members = [one(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+    members = [one(t, f"{base}.{i}") for i, t in enumerate(tensors)]  # submit() adds the kind
     return handles.register(handles.GroupPending(members))
 
 
@@ -251,7 +258,7 @@ def join(device=-1):
     """
     from .negotiation import JOIN
 
-    pending = submit("join", JOIN, None, (("kind", "join"),), None, ())
+    pending = submit("join", JOIN, None, (("kind", "join"),), None, (), exact=True)
     return handles.synchronize(handles.register(pending))
 
 
