@@ -21,7 +21,8 @@ from .autograd import (allgather, allreduce, allreduce_, alltoall, broadcast, br
 from .handles import poll, synchronize
 from .ops_async import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, barrier,
                         broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
-                        grouped_allreduce_async_, grouped_reducescatter_async, reducescatter_async)
+                        grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async)
+from .sparse import sparse_allreduce_async
 from .process_set_ops import add_process_set, remove_process_set
 from .process_sets import ProcessSet, global_process_set
 from .timeline import start_timeline, stop_timeline
@@ -41,7 +42,8 @@ __all__ += ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "br
             "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter", "reducescatter", "poll", "synchronize",
             "allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier", "broadcast_async",
             "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_async", "grouped_allreduce_async_",
-            "grouped_reducescatter_async", "reducescatter_async", "ProcessSet", "add_process_set",
+            "grouped_reducescatter_async", "reducescatter_async", "join", "sparse_allreduce_async", "ProcessSet",
+            "add_process_set",
             "global_process_set", "remove_process_set", "start_timeline", "stop_timeline"]
 
 __all__ += ["Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",

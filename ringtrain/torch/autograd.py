@@ -12,7 +12,7 @@ Each is collective: every rank of the process set must make the same calls.
 
 import torch
 
-from . import handles
+from . import handles, runtime
 from .ops_async import (allgather_async, alltoall_async, broadcast_async, broadcast_async_, grouped_allgather_async,
                         grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async, resolve_op)
 from .ops_async import allreduce_async, allreduce_async_, grouped_allreduce_async_
@@ -158,7 +158,7 @@ class HorovodBroadcast(torch.autograd.Function):
     def backward(ctx, grad_output):
         ps = ctx.process_set
         reduced = _sync(allreduce_async(grad_output, None, None, Average, 1.0, 1.0, ps))
-        if ps.rank() != ctx.root_rank:
+        if runtime.rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None, None
 

@@ -24,9 +24,9 @@ import threading
 import numpy as np
 
 from ..comm import allreduce_, release
-from . import kernels
+from . import handles, kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
-from .negotiation import SHUTDOWN, Table
+from .negotiation import JOIN, SHUTDOWN, Table
 
 __all__ = ["Entry", "Engine", "FUSION_BYTES"]
 
@@ -93,8 +93,16 @@ class Engine:
                 raise DuplicateNameError(f"an op named {entry.name!r} is already in flight on this rank; "
                                          "wait for it (synchronize) or use another name")
             self._in_flight.add(key)
+            if entry.pending is not None:
+                entry.pending.collected = lambda: self._release(key)
             self._queue.append(entry)
             self._cond.notify()
+
+    def _release(self, key):
+        # A name stays taken until synchronize has the result, not just until the op ends:
+        # whether a quick op has ended before the caller reuses its name is a race.
+        with self._cond:
+            self._in_flight.discard(key)
 
     def stop(self, timeout=30.0):
         """Announce shutdown and wait for the thread; every rank must call it (collective)."""
@@ -148,13 +156,15 @@ class Engine:
             if op.name == SHUTDOWN:
                 self._stopped = True
                 continue
-            entry = self._finish_name(op)
+            entry = self._entry_for(op)
             if entry is None:
-                continue  # an op of a process set this rank is not in
-            if op.mismatch is not None:
-                entry.pending.fail(CollectiveMismatchError(
-                    f"{entry.kind} {op.name!r}: ranks submitted different {op.mismatch}; every rank must "
-                    "submit the same op under one name"))
+                continue  # an op of a process set this rank is not in, or one it cannot join in
+            problem = _problem(op, entry)
+            if problem is not None:
+                entry.pending.fail(problem)
+                continue
+            if op.name == JOIN:
+                entry.pending.succeed(op.last_joined)
                 continue
             group = [(op, entry)]
             if entry.kind in kernels.FUSABLE:
@@ -163,33 +173,22 @@ class Engine:
                        and ready[i].process_set == op.process_set and kernels.fuse_key(ready[i].meta) == key
                        and total + kernels.nbytes(ready[i].meta) <= FUSION_BYTES):
                     total += kernels.nbytes(ready[i].meta)
-                    group.append((ready[i], self._finish_name(ready[i])))
+                    group.append((ready[i], self._entry_for(ready[i])))
                     i += 1
             self._execute(group)
 
-    def _finish_name(self, op):
-        entry = self._mine.pop((op.process_set, op.name), None)
+    def _entry_for(self, op):
+        """This rank's entry for ``op``; a stand-in adding zeros if this rank has joined instead; else None."""
+        key = (op.process_set, op.name)
+        entry = self._mine.pop(key, None)
         if entry is not None:
-            with self._cond:
-                self._in_flight.discard((op.process_set, op.name))
-        return entry
+            return entry
+        return _stand_in(op) if self.rank in op.joined else None
 
     def _execute(self, group):
-        op, entry = group[0]
+        op = group[0][0]
         comm = self.comm if op.process_set == 0 else self.runtime.extras["process_sets"].comm_of(op.process_set)
-        # Horovod's timeline has a row per op; here each fused run is one bar on the engine's row.
-        label = f"{entry.kind} {op.name}" + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-        span = self.timeline.span(label, tid=1) if self.timeline is not None else contextlib.nullcontext()
-        try:
-            with span:
-                results = kernels.run(entry.kind, comm, group)
-        except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-            error = exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
-            for _, e in group:
-                e.pending.fail(error)
-            return
-        for (_, e), result in zip(group, results):
-            e.pending.succeed(result)
+        execute(group, comm, self.timeline)
 
     def _fail_all(self, exc):
         with self._cond:
@@ -236,3 +235,41 @@ class Announcer:
         if min(lengths) < 0:
             return self.comm.allgather(announced)
         return [pickle.loads(slots[r, 1:].view(np.uint8)[:n].tobytes()) if n else [] for r, n in enumerate(lengths)]
+
+
+
+def execute(group, comm, timeline):
+    """Run one op (or a fused run) with its kernel; each entry succeeds with its result or fails."""
+    op, entry = group[0]
+    # Horovod's timeline has a row per op; here each fused run is one bar on the engine's row.
+    label = f"{entry.kind} {op.name}" + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+    span = timeline.span(label, tid=1) if timeline is not None else contextlib.nullcontext()
+    try:
+        with span:
+            results = kernels.run(entry.kind, comm, group)
+    except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+        error = exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
+        for _, e in group:
+            e.pending.fail(error)
+        return
+    for (_, e), result in zip(group, results):
+        e.pending.succeed(result)
+
+
+def _stand_in(op):
+    """A joined rank's part in an allreduce it did not submit: zeros, or None for any other op."""
+    if dict(op.meta)["kind"] != "allreduce" or op.mismatch is not None:
+        return None
+    zeros = kernels.zeros_like_meta(op.meta)
+    return Entry(op.name, op.process_set, "allreduce", op.meta, None, (zeros, zeros), handles.Pending())
+
+
+def _problem(op, entry):
+    """The error every rank's entry for ``op`` fails with (ranks disagreed, or some joined), or None."""
+    if op.mismatch is not None:
+        return CollectiveMismatchError(f"{entry.kind} {op.name!r}: ranks submitted different {op.mismatch}; every "
+                                       "rank must submit the same op under one name")
+    if op.joined and entry.kind != "allreduce":
+        return HorovodInternalError(f"{entry.kind} {op.name!r}: rank(s) {list(op.joined)} have joined; only "
+                                    "allreduce runs while ranks are joined")
+    return None

@@ -19,13 +19,14 @@ _lock = threading.Lock()
 class Pending:
     """One submitted op's completion: set once by the background thread, with a result or an error."""
 
-    __slots__ = ("_done", "result", "error", "finish_fn")
+    __slots__ = ("_done", "result", "error", "finish_fn", "collected")
 
     def __init__(self, finish_fn=None):
         self._done = threading.Event()
         self.result = None
         self.error = None
         self.finish_fn = finish_fn  # runs on the caller's thread in synchronize (autograd, decompression)
+        self.collected = _nothing  # the engine's: frees the op's name once synchronize has the result
 
     def succeed(self, result):
         self.result = result
@@ -44,6 +45,10 @@ class Pending:
             pass
 
 
+def _nothing():
+    pass
+
+
 class GroupPending:
     """The completion of a grouped op: done when every member is; its result is the members' results."""
 
@@ -57,6 +62,10 @@ class GroupPending:
     def wait(self):
         for m in self.members:
             m.wait()
+
+    def collected(self):
+        for m in self.members:
+            m.collected()
 
     @property
     def error(self):
@@ -104,6 +113,7 @@ def synchronize(handle):
     finally:
         with _lock:
             _table.pop(handle, None)
+        pending.collected()
     if pending.error is not None:
         error = pending.error
         if not isinstance(error, RuntimeError):

@@ -23,7 +23,7 @@ from ..comm import allreduce_
 from .dtypes import RING_DTYPES, byte_view, host_view, reduces_as
 from .interop import as_array
 
-__all__ = ["FUSABLE", "fuse_key", "nbytes", "run", "scatter_rows"]
+__all__ = ["FUSABLE", "fuse_key", "nbytes", "run", "scatter_rows", "zeros_like_meta"]
 
 FUSABLE = ("allreduce", "reducescatter")
 
@@ -51,6 +51,13 @@ def scatter_rows(rows, size):
         out.append((start, count))
         start += count
     return out
+
+
+def zeros_like_meta(meta):
+    """Zeros of the shape, dtype and device kind an op's ``meta`` names: a joined rank's contribution."""
+    fields = dict(meta)
+    device = torch.device("cuda", torch.cuda.current_device()) if fields["device"] == "cuda" else "cpu"
+    return torch.zeros(fields["shape"], dtype=getattr(torch, fields["dtype"]), device=device)
 
 
 def run(kind, comm, group):

@@ -12,9 +12,12 @@ first announced: every rank then runs them in that same order.
 
 import dataclasses
 
-__all__ = ["Ready", "Table", "first_difference", "SHUTDOWN"]
+__all__ = ["Ready", "Table", "first_difference", "SHUTDOWN", "JOIN"]
 
 SHUTDOWN = "__ringtrain_shutdown__"  # the name shutdown() announces; ready when every rank has
+# The name join() announces. A rank that has joined counts as present for
+# every other op until every rank has joined (it adds zeros to allreduces).
+JOIN = "__ringtrain_join__"
 
 
 @dataclasses.dataclass
@@ -27,6 +30,8 @@ class Ready:
     infos: list               # each member's info, in member order
     ranks: tuple              # the members, in order
     mismatch: str = None      # None, or what differs between ranks
+    joined: tuple = ()        # members that did not announce it but have joined
+    last_joined: int = -1     # for JOIN: the rank that joined last
 
 
 def first_difference(metas):
@@ -53,6 +58,8 @@ class Table:
     def __init__(self, members):
         self._members = members
         self._waiting = {}  # (process set, name) -> {rank: (meta, info)}; dicts keep insertion order
+        self._joined = {}   # rank -> (round, rank) of its join, until every rank has joined
+        self._rounds = 0
 
     def __len__(self):
         return len(self._waiting)
@@ -63,17 +70,35 @@ class Table:
 
     def merge(self, announcements):
         """Add every rank's announcements (a list indexed by rank); return the ops now ready, in order."""
+        self._rounds += 1
         for rank, announced in enumerate(announcements):
             for name, ps, meta, info in announced:
                 self._waiting.setdefault((ps, name), {})[rank] = (meta, info)
+                if name == JOIN:
+                    self._joined.setdefault(rank, (self._rounds, rank))
         ready = []
         for key, by_rank in list(self._waiting.items()):
             ps, name = key
             ranks = tuple(self._members(ps))
-            if len(by_rank) < len(ranks) or any(r not in by_rank for r in ranks):
+            missing = tuple(r for r in ranks if r not in by_rank)
+            # Only allreduces run while a rank is joined; any other op fails at
+            # once on the ranks that announced it, without waiting for a match.
+            refused = bool(self._joined) and name not in (JOIN, SHUTDOWN) and _kind(by_rank) != "allreduce"
+            if missing and not refused and (name == JOIN or any(r not in self._joined for r in missing)):
                 continue
             del self._waiting[key]
-            metas = [by_rank[r][0] for r in ranks]
-            ready.append(Ready(name, ps, metas[0], [by_rank[r][1] for r in ranks], ranks,
-                               first_difference(metas)))
+            present = [r for r in ranks if r in by_rank]
+            metas = [by_rank[r][0] for r in present]
+            op = Ready(name, ps, metas[0], [by_rank[r][1] if r in by_rank else None for r in ranks], ranks,
+                       first_difference(metas), tuple(sorted(self._joined)) if refused else missing)
+            if name == JOIN:
+                op.last_joined = max(self._joined.values())[1]
+                self._joined.clear()
+            ready.append(op)
         return ready
+
+
+def _kind(by_rank):
+    """The kind of op one rank announced (ranks that disagree on it are caught as a mismatch)."""
+    meta = next(iter(by_rank.values()))[0]
+    return dict(meta).get("kind")

@@ -22,7 +22,7 @@ from .reduce_ops import Average, Sum, op_name
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
-           "reducescatter_async", "grouped_reducescatter_async", "barrier", "resolve_op", "engine",
+           "reducescatter_async", "grouped_reducescatter_async", "barrier", "join", "resolve_op", "engine",
            "submit"]
 
 
@@ -65,11 +65,18 @@ def _set_id(process_set, who):
     return ps.process_set_id
 
 
-def submit(kind, name, process_set, meta, info, args, pending=None):
-    """Queue one op on the engine; return its :class:`~ringtrain.torch.handles.Pending`."""
+def submit(kind, name, process_set, meta, info, args, pending=None, exact=False):
+    """Queue one op on the engine; return its :class:`~ringtrain.torch.handles.Pending`.
+
+    ``name`` gets the kind in front (names are per kind, as in Horovod: an
+    allreduce and a broadcast may share one) unless ``exact``.
+    """
     eng = engine()
     pending = pending or handles.Pending()
-    name = eng.auto_name(kind) if name is None else str(name)
+    if name is None:
+        name = eng.auto_name(kind)
+    elif not exact:
+        name = f"{kind}.{name}"
     if tensor_is_cuda(args):
         torch.cuda.current_stream().synchronize()  # the engine's thread reads the tensor next
     eng.submit(Entry(name, _set_id(process_set, kind), kind, meta, info, args, pending))
@@ -118,7 +125,7 @@ def _grouped(kind, tensors, name, one):
     if not tensors:
         raise ValueError(f"grouped_{kind}: the list of tensors is empty")
     base = engine().auto_name(f"grouped_{kind}") if name is None else str(name)
-    members = [one(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+    members = [one(t, f"{base}.{i}") for i, t in enumerate(tensors)]  # submit() adds the kind
     return handles.register(handles.GroupPending(members))
 
 
@@ -163,12 +170,19 @@ def _broadcast_pending(tensor, output, root_rank, name, process_set):
         root = int(root_rank)
     except (TypeError, ValueError):
         raise ValueError(f"broadcast: root_rank must be an int, got {root_rank!r}") from None
-    ps = global_process_set if process_set is None else process_set
-    if not 0 <= root < ps.size():
-        raise ValueError(f"broadcast: root_rank {root} is outside a process set of {ps.size()} rank(s)")
+    root = _root_in_set(root, process_set, "broadcast")
     meta = (("kind", "broadcast"), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
             ("root", root), ("device", _device(tensor)))
     return submit("broadcast", name, process_set, meta, None, (tensor, output))
+
+
+def _root_in_set(root, process_set, who):
+    """``root`` (a rank of the runtime, as Horovod's API takes it) as a rank of the process set's communicator."""
+    ps = global_process_set if process_set is None else process_set
+    ranks = list(ps.ranks)
+    if root not in ranks:
+        raise ValueError(f"{who}: root_rank {root} is not in the process set (ranks {ranks})")
+    return ranks.index(root)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -232,6 +246,20 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     """Start a reducescatter of each tensor; return one handle."""
     return _grouped("reducescatter", tensors, name, lambda t, n: _reducescatter_pending(
         t, n, op, process_set, prescale_factor, postscale_factor))
+
+
+def join(device=-1):
+    """Declare this rank done: until every rank has joined, it adds zeros to the others' allreduces.
+
+    Blocks until every rank has called it; returns the rank that joined
+    last, the same on every rank. While a rank is joined, ops other than
+    allreduce fail on the ranks that submit them. ``device`` is accepted for
+    Horovod's signature; the zeros go on the device the other ranks' tensors are on.
+    """
+    from .negotiation import JOIN
+
+    pending = submit("join", JOIN, None, (("kind", "join"),), None, (), exact=True)
+    return handles.synchronize(handles.register(pending))
 
 
 def barrier(process_set=global_process_set):
