@@ -1,5 +1,8 @@
 """Head-to-head on the CPU: the same torch network trained with DDP (gloo), Horovod and ringtrain.
 
+    python scripts/bench_torch.py --suite horovod --horovod-python HVD_VENV/bin/python
+                                                   # ringtrain.torch, DDP-gloo, Horovod at 2 ranks: MLP, CNN,
+                                                   # ResNet, then allreduce_async_+synchronize at 4 KiB and 4 MiB
     python scripts/bench_torch.py --model cnn      # the CNN, every contestant at 1 and 2 ranks, 3 repeats
     python scripts/bench_torch.py                  # the MLP
     python scripts/bench_torch.py --repeats 5 --ranks 1,2 --only ddp-gloo,ringtrain-adapter
@@ -12,16 +15,21 @@ The models (``--model``), trained on ``mnist5k`` from
 * ``mlp``: PyTorch's 784-512-512-10 MLP (ReLU, cross-entropy);
 * ``cnn``: scripts/train_torch.py's CNN (= scripts/bench_cnn.py's): two 5x5
   conv -> ReLU -> 2x2 max-pool blocks of 16 and 32 channels, a 128-unit
-  dense layer, 10 classes (215k parameters).
+  dense layer, 10 classes (215k parameters);
+* ``resnet``: a small ResNet: a 3x3 stem, three basic blocks of 16, 32 and
+  64 channels (BatchNorm), global average pooling, 10 classes.
 
 Contestants:
 
 * ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` over gloo
   (``gradient_as_bucket_view=True``), its process group started from the
   MPI rank and size with ``MASTER_ADDR=127.0.0.1``.
+* ``ringtrain-hvd``: a Horovod-style script on ``import ringtrain.torch as
+  hvd``: ``hvd.DistributedOptimizer`` over the torch optimizer, the same
+  code as ``horovod`` but for the import;
 * ``horovod``: ``hvd.DistributedOptimizer`` (opt-in: measured only if
-  ``import horovod.torch`` works; otherwise the table says "horovod not
-  installed").
+  ``import horovod.torch`` works, in this interpreter or the one given with
+  ``--horovod-python``; otherwise the table says "horovod not installed").
 * ``ringtrain-torch``: the same torch model and torch optimizer, its
   gradients averaged by :func:`ringtrain.interop.average_gradients_` through
   zero-copy NumPy views of the CPU tensors (one flat buffer,
