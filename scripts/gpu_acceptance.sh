@@ -20,7 +20,7 @@
 #   3. bench: `ringtrain bench allreduce --device gpu` at 2 ranks, 16 MiB to 256 MiB, and the CUDA IPC
 #      probe beside it (.gpu/ipc_probe.py, or the file RINGTRAIN_IPC_PROBE names; not part of ringtrain);
 #   4. train: mnist5k (784-512-512-10, batch 64, 2 ranks) on the GPU with an empty kernel cache, then
-#      again with the warm one; the CPU's sharded step on the same machine; a run stopped at step 150
+#      again with the warm one; the CPU's sharded step on the same machine; a run stopped at step 50
 #      and resumed, compared bitwise with a straight run;
 #   5. one table of every figure against its target (scripts/gpu_report.py), from what ran.
 #

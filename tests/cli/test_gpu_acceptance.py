@@ -107,3 +107,18 @@ def test_on_a_gpu_machine_it_checks_its_dependencies_before_running_anything(tmp
     assert "CUBLAS_STATUS_NOT_INITIALIZED" in lines[1] and len(lines) == 3, show(result)
     assert lines[2].startswith("install: python3 -m venv .venv && .venv/bin/pip install -e '.[mpich,test,mnist,cuda12]")
     assert "===" not in result.stdout + result.stderr and not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_a_figure_whose_steps_passed_but_left_nothing_to_read_is_missed(tmp_path):
+    # The resume row once read "-" (not run) whenever no checkpoint could be
+    # loaded, so an acceptance whose three runs passed but saved nothing
+    # passed without ever comparing a bit.
+    (tmp_path / "steps.tsv").write_text("".join(f"{name}\t0\t9.0\n" for name in (
+        "bench at 2 ranks", "straight run", "run stopped at step 50", "the same run resumed")))
+    for name in ("straight", "resumed"):
+        (tmp_path / name).mkdir()
+    result, lines = report(tmp_path)
+    assert lines["resume after a stop equals the straight run"].split()[-1] == "NO", show(result)
+    assert lines["allreduce 256 MiB busbw, 2 ranks"].split()[-1] == "NO", show(result)
+    assert lines["allreduce 256 MiB / probe"].split()[-1] == "-", show(result)  # the probe did not run
+    assert result.returncode == 3, show(result)  # both bench rows and the resume row
