@@ -126,6 +126,10 @@ def test_bench_runs_each_rank_on_its_own_gpu(cp):
     from ringtrain.commands.bench import Suite
 
     spec = TaskSpec.from_mpi(comm)
+    # Away from that GPU first: the cp fixture already made it current, so
+    # the check below would hold whatever Suite did. (With one GPU nothing
+    # can differ; tests/unit/test_gpu_pure.py checks the wiring itself.)
+    backend.use_device((spec.device + 1) % backend.device_count())
     suite = Suite("gpu", comm)
     assert suite.gpu == spec.device == spec.local_rank % backend.device_count()
     assert cp.cuda.Device().id == suite.gpu
