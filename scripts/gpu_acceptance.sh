@@ -47,9 +47,13 @@ fi
 # 1. Dependencies: every missing one is named, then it stops.
 missing=()
 command -v "$mpirun" >/dev/null 2>&1 || missing+=("mpirun (an MPI runtime: the mpich extra)")
-for module in mpi4py pytest pytest_mpi mlxtend ringtrain; do
+for module in pytest pytest_mpi mlxtend ringtrain; do
   "$py" -c "import $module" >/dev/null 2>&1 || missing+=("the Python module $module")
 done
+# "import mpi4py" succeeds without an MPI library; loading MPI is what fails (a bare machine's mpi4py has no libmpi).
+if ! out=$("$py" -c "from mpi4py import MPI" 2>&1); then
+  missing+=("mpi4py with an MPI library it can load (the mpich extra): ${out##*$'\n'}")
+fi
 # Without NVRTC or cuBLAS CuPy still imports and sees the GPU; the first kernel or matrix product fails.
 check='import cupy as cp; assert cp.is_available(), "CuPy sees no GPU"; a = cp.ones((2, 2), cp.float32)
 assert float((a @ a + 1).sum()) == 12.0'
