@@ -109,3 +109,23 @@ def test_the_sharded_step_falls_back_to_the_allreduce_when_its_buffers_cannot_be
         assert outcomes == [(False, True, 0)]
     else:  # every rank falls back alike, its buffers untouched; rank 0 says why, once
         assert outcomes == [(True, True, 1 if r == 0 else 0) for r in range(size)]
+
+
+@pytest.mark.mpi
+def test_cuda_ipc_slots_that_could_not_grow_are_grown_again_by_the_next_call(stand_ins):
+    # An out-of-memory growing the slots raised on every rank; every later
+    # call then found the old size but no slots, and failed with an IndexError.
+    fake = stand_ins()
+    transport = cuda_ipc.CudaIpcTransport(comm)
+    transport._grow(1 << 10)
+    fake.fail = {(size - 1, "device_buffer")}
+    try:
+        transport._stage(np.zeros(4096, np.float32))
+        first = None
+    except RuntimeError as exc:
+        first = str(exc)
+    fake.fail = set()
+    later = len(transport._stage(np.zeros(16, np.float32)))
+    outcomes = comm.allgather((first is not None and "device_buffer refused" in first, later))
+    transport.close()
+    assert outcomes == [(True, size)] * size
