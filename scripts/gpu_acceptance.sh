@@ -20,7 +20,7 @@
 #   3. bench: `ringtrain bench allreduce --device gpu` at 2 ranks, 16 MiB to 256 MiB, and the CUDA IPC
 #      probe beside it (.gpu/ipc_probe.py, or the file RINGTRAIN_IPC_PROBE names; not part of ringtrain);
 #   4. train: mnist5k (784-512-512-10, batch 64, 2 ranks) on the GPU with an empty kernel cache, then
-#      again with the warm one; the CPU's sharded step on the same machine; a run stopped at step 150
+#      again with the warm one; the CPU's sharded step on the same machine; a run stopped at step 50
 #      and resumed, compared bitwise with a straight run;
 #   5. one table of every figure against its target (scripts/gpu_report.py), from what ran.
 #
@@ -47,9 +47,13 @@ fi
 # 1. Dependencies: every missing one is named, then it stops.
 missing=()
 command -v "$mpirun" >/dev/null 2>&1 || missing+=("mpirun (an MPI runtime: the mpich extra)")
-for module in mpi4py pytest pytest_mpi mlxtend ringtrain; do
+for module in pytest pytest_mpi mlxtend ringtrain; do
   "$py" -c "import $module" >/dev/null 2>&1 || missing+=("the Python module $module")
 done
+# "import mpi4py" succeeds without an MPI library; loading MPI is what fails (a bare machine's mpi4py has no libmpi).
+if ! out=$("$py" -c "from mpi4py import MPI" 2>&1); then
+  missing+=("mpi4py with an MPI library it can load (the mpich extra): ${out##*$'\n'}")
+fi
 # Without NVRTC or cuBLAS CuPy still imports and sees the GPU; the first kernel or matrix product fails.
 check='import cupy as cp; assert cp.is_available(), "CuPy sees no GPU"; a = cp.ones((2, 2), cp.float32)
 assert float((a @ a + 1).sum()) == 12.0'

@@ -6,7 +6,9 @@ Reads what the run left in DIR and prints one row per figure: what was
 measured, the target, and whether it was met ("-" where the step did not
 run). The exit status is the number of failed steps plus missed targets, so
 the acceptance script's status is this one's. Only figures seen in DIR are
-reported: nothing is carried over from another run or machine.
+reported: nothing is carried over from another run or machine. A figure
+whose steps all passed but left nothing to read (no checkpoint to compare,
+no JSON) is missed, not "-": the acceptance must not pass unverified.
 """
 
 import json
@@ -15,6 +17,11 @@ import statistics
 import sys
 
 MIB = 1 << 20
+# The steps of scripts/gpu_acceptance.sh (by name) that each figure comes from.
+BENCH = ("bench at 2 ranks",)
+PROBE = ("IPC probe at 2 ranks",)
+TRAIN = ("train, warm kernel cache", "train on the CPU (sharded step)")
+RESUME = ("straight run", "run stopped at step 50", "the same run resumed")
 
 
 def read_steps(directory):
@@ -83,29 +90,39 @@ def figures(directory):
     rows = [(f"step: {name}", "passed" if status == 0 else f"exit {status}", "exit 0", status == 0)
             for name, (status, _) in steps.items()]
 
-    def at_least(figure, value, target, unit):
-        shown = "-" if value is None else f"{value:,.2f}{unit}"
-        rows.append((figure, shown, f">= {target:,}{unit}", None if value is None else value >= target))
+    def passed(*names):
+        return all(steps.get(name, (1,))[0] == 0 for name in names)
 
-    at_least("allreduce 256 MiB busbw, 2 ranks", bench.get(256 * MIB), 150, " GB/s")
-    at_least("allreduce 64 MiB busbw, 2 ranks", bench.get(64 * MIB), 80, " GB/s")
+    def at_least(figure, value, target, unit, made_by):
+        if value is None:  # missed where the steps that make it passed: the figure got lost, not skipped
+            rows.append((figure, "not found" if passed(*made_by) else "-", f">= {target:,}{unit}",
+                         False if passed(*made_by) else None))
+            return
+        rows.append((figure, f"{value:,.2f}{unit}", f">= {target:,}{unit}", value >= target))
+
+    at_least("allreduce 256 MiB busbw, 2 ranks", bench.get(256 * MIB), 150, " GB/s", BENCH)
+    at_least("allreduce 64 MiB busbw, 2 ranks", bench.get(64 * MIB), 80, " GB/s", BENCH)
     ours, theirs = bench.get(256 * MIB), probe.get(256 * MIB)
     rows.append(("IPC probe 256 MiB busbw, 2 ranks (reference)", "-" if theirs is None else f"{theirs:,.2f} GB/s",
                  "-", None))
-    at_least("allreduce 256 MiB / probe", None if ours is None or not theirs else 100 * ours / theirs, 80, "%")
+    at_least("allreduce 256 MiB / probe", None if ours is None or not theirs else 100 * ours / theirs, 80, "%",
+             BENCH + PROBE)
     gpu, cpu = samples_per_sec(os.path.join(directory, "train-warm")), samples_per_sec(os.path.join(directory,
                                                                                                  "train-cpu"))
     for label, value in (("mnist5k MLP on the GPU, samples/s", gpu), ("mnist5k MLP on the CPU (sharded), samples/s",
                                                                       cpu)):
         rows.append((label, "-" if value is None else f"{value:,.0f}", "-", None))
-    at_least("GPU / CPU samples/s", None if gpu is None or not cpu else gpu / cpu, 1.5, "x")
+    at_least("GPU / CPU samples/s", None if gpu is None or not cpu else gpu / cpu, 1.5, "x", TRAIN)
     cold, warm = steps.get("train, cold kernel cache"), steps.get("train, warm kernel cache")
     compile_s = cold[1] - warm[1] if cold and warm and cold[0] == warm[0] == 0 else None
     rows.append(("cold-cache run's compile time (cold wall - warm wall)", "-" if compile_s is None else
                  f"{compile_s:.1f} s", "< 5 s", None if compile_s is None else compile_s < 5))
     same = same_final_checkpoint(os.path.join(directory, "straight"), os.path.join(directory, "resumed"))
-    rows.append(("resume after a stop equals the straight run", {None: "-", True: "bitwise", False: "differs"}[same],
-                 "bitwise", same))
+    if same is None and passed(*RESUME):
+        rows.append(("resume after a stop equals the straight run", "no checkpoints", "bitwise", False))
+    else:
+        rows.append(("resume after a stop equals the straight run",
+                     {None: "-", True: "bitwise", False: "differs"}[same], "bitwise", same))
     return rows
 
 

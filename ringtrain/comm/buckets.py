@@ -110,6 +110,10 @@ def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, transport="
         pack(members, fused)
         reduce_bucket(state, who, fused, wire, op, algorithm, len(items), signature, problem)
         unpack(fused, members)
+    # On a GPU the last copies out of the fusion (or float16 wire) buffer are
+    # still queued on the stream: a caller reading on another stream (torch's
+    # side streams, through ringtrain.torch.interop) would see the old values.
+    backend.synchronize(next((a for a in items if backend.is_gpu_array(a)), None))
     return arrays
 
 

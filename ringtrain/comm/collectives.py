@@ -47,7 +47,6 @@ import numpy as np
 
 from .. import backend
 from ..errors import UsageError
-from .cuda_aware import cuda_aware
 from .guard import collective
 from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, code_of,
                      exchange, raise_mismatch)
@@ -140,9 +139,7 @@ def _reduce_large(state, flat, op, algorithm, predivide, transport=None):
 def _reduce_gpu(state, flat, op, algorithm, predivide):
     """A CuPy array: in place through CUDA IPC or a CUDA-aware MPI, else staged through pinned host memory."""
     transport = state.transport_for(algorithm, flat.nbytes, backend.device_of(flat))
-    if state.cuda_aware is None:
-        state.cuda_aware = cuda_aware()[0]
-    if transport is not None and (transport.on_device or state.cuda_aware):
+    if transport is not None and (transport.on_device or state.agreed_cuda_aware()):
         _reduce_large(state, flat, op, algorithm, predivide, transport)
         return
     host = download(flat, pinned_like(state, flat))
@@ -273,10 +270,8 @@ def broadcast_(x, root=0, comm=None):
     target = flat if flat is not None else backend.get_array_module(x).ascontiguousarray(x).reshape(-1)
     gpu = backend.is_gpu_array(target)
     if gpu:
-        if state.cuda_aware is None:
-            state.cuda_aware = cuda_aware()[0]
         backend.synchronize(target)
-    if gpu and not state.cuda_aware:
+    if gpu and not state.agreed_cuda_aware():
         host = pinned_like(state, target)
         if state.rank == root:  # the others' values are overwritten: no copy off the device for them
             download(target, host)

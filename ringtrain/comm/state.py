@@ -22,7 +22,10 @@ import weakref
 
 import numpy as np
 
+from ..errors import UsageError
+from ..failure import agree
 from .board import Board
+from .cuda_aware import cuda_aware
 from .exchange import Mailbox
 from .schedule import doubling_schedule
 from .transports import open_transport, same_host
@@ -43,7 +46,7 @@ class CommState:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.doubling = doubling_schedule(self.rank, self.size)
-        self.cuda_aware = None  # asked on the first GPU array
+        self.cuda_aware = None  # asked, and agreed by every rank, on the first GPU array (agreed_cuda_aware)
         self._one_host = None   # asked on the first call that needs it (collective)
         self._board = False     # made on the first header exchange (collective); None across hosts
         self._transports = {}   # (name, device) -> transport, or None where it cannot serve
@@ -67,6 +70,26 @@ class CommState:
             state = cls(comm)
             comm.Set_attr(cls._keyval, state)
         return state
+
+    def agreed_cuda_aware(self):
+        """Whether MPI reads device memory on every rank of the communicator (collective on first use).
+
+        Each rank's answer comes from its own environment and library
+        (:func:`ringtrain.comm.cuda_aware.cuda_aware`), so two ranks can
+        differ. They must not act on different answers: a rank that stages
+        through the host asks for the host's transports, keyed apart from
+        the device's, and a hierarchical one is made collectively, so its
+        peers would never join (a hang). Every rank takes the lowest answer,
+        and a bad ``RINGTRAIN_CUDA_AWARE`` on any rank raises on every rank.
+        """
+        if self.cuda_aware is None:
+            try:
+                mine, problem = cuda_aware()[0], None
+            except UsageError as exc:
+                mine, problem = False, str(exc)
+            agree(self.comm, problem)
+            self.cuda_aware = bool(self.comm.allreduce(int(mine), op=self.MPI.MIN))
+        return self.cuda_aware
 
     def one_host(self):
         """Whether every rank of the communicator shares one host (collective on first use)."""

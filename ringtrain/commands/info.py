@@ -72,6 +72,11 @@ def _cuda_ipc(comm, spec):
         return None
     if comm.Get_size() == 1:
         return "yes (one rank: nothing to map)"
+    # Each rank on the GPU a run would give it: on a host with several GPUs,
+    # mapping across them (peer access) is what a run needs, and what may fail.
+    from .. import backend
+
+    backend.use_device(spec.device)
     dup = comm.Dup()
     transport, why = CudaIpcTransport.attempt(dup)
     if transport is not None:

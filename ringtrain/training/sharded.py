@@ -48,7 +48,6 @@ import warnings
 import numpy as np
 
 from .. import backend
-from ..comm.cuda_aware import cuda_aware
 from ..comm.policy import SMALL_VALUES, transport_choice
 from ..comm.state import release, state_of
 from ..comm.transports import open_transport
@@ -111,7 +110,7 @@ class ShardedStep:
                               shared_bytes=2 * _aligned(gbuf.nbytes))
         # On a GPU only CUDA IPC or a CUDA-aware MPI reads device memory; every rank must agree on which.
         usable = made is not None and made.two_phase and (
-            device is None or made.on_device or comm.allreduce(int(cuda_aware()[0]), op=MPI.MIN))
+            device is None or made.on_device or state_of(comm).agreed_cuda_aware())
         if usable and made.name in ("shm", "cuda-ipc"):
             usable = _move_into_window(made, model)
         if not usable:

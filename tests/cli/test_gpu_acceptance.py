@@ -107,3 +107,42 @@ def test_on_a_gpu_machine_it_checks_its_dependencies_before_running_anything(tmp
     assert "CUBLAS_STATUS_NOT_INITIALIZED" in lines[1] and len(lines) == 3, show(result)
     assert lines[2].startswith("install: python3 -m venv .venv && .venv/bin/pip install -e '.[mpich,test,mnist,cuda12]")
     assert "===" not in result.stdout + result.stderr and not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_a_figure_whose_steps_passed_but_left_nothing_to_read_is_missed(tmp_path):
+    # The resume row once read "-" (not run) whenever no checkpoint could be
+    # loaded, so an acceptance whose three runs passed but saved nothing
+    # passed without ever comparing a bit.
+    (tmp_path / "steps.tsv").write_text("".join(f"{name}\t0\t9.0\n" for name in (
+        "bench at 2 ranks", "straight run", "run stopped at step 50", "the same run resumed")))
+    for name in ("straight", "resumed"):
+        (tmp_path / name).mkdir()
+    result, lines = report(tmp_path)
+    assert lines["resume after a stop equals the straight run"].split()[-1] == "NO", show(result)
+    assert lines["allreduce 256 MiB busbw, 2 ranks"].split()[-1] == "NO", show(result)
+    assert lines["allreduce 256 MiB / probe"].split()[-1] == "-", show(result)  # the probe did not run
+    assert result.returncode == 3, show(result)  # both bench rows and the resume row
+
+
+def test_an_mpi4py_that_cannot_load_its_mpi_library_is_named_before_anything_runs(tmp_path):
+    # A bare GPU machine's mpi4py imports, but has no libmpi to load: "import
+    # mpi4py" passed the preflight once, and every step then failed.
+    bin_dir, py_dir = tmp_path / "bin", tmp_path / "py"
+    bin_dir.mkdir()
+    (py_dir / "mpi4py").mkdir(parents=True)
+    (py_dir / "cupy").mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: A stand-in GPU (UUID: GPU-0)"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    (py_dir / "mpi4py" / "__init__.py").write_text("")
+    (py_dir / "mpi4py" / "MPI.py").write_text(
+        "raise ImportError('libmpi.so.12: cannot open shared object file: No such file or directory')\n")
+    (py_dir / "cupy" / "__init__.py").write_text(
+        "import numpy\n__version__ = '0'\nfloat32 = numpy.float32\nones = numpy.ones\n"
+        "def is_available():\n    return True\n")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(py_dir),
+               RINGTRAIN_ACCEPTANCE_DIR=str(tmp_path / "out"))
+    result = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, show(result)
+    named = [line for line in result.stdout.splitlines() if "mpi4py with an MPI library" in line]
+    assert named and "libmpi.so.12: cannot open shared object file" in named[0], show(result)
+    assert "===" not in result.stdout + result.stderr and not (tmp_path / "out").exists()  # nothing ran

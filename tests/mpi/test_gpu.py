@@ -122,10 +122,32 @@ def test_a_result_read_on_another_stream_is_complete(cp, nbytes):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("sizes", [(300, 2100, 3), (1 << 18, 3, 1 << 19)])
+def test_a_list_reduced_in_buckets_is_complete_when_read_on_another_stream(cp, sizes):
+    # allreduce_many_ copies each fused bucket back into its arrays after the
+    # reduction; those copies were once still queued when it returned (the
+    # path ringtrain.torch.interop takes for gradients in separate tensors).
+    hosts = [data(n, np.float32, 11 + i) for i, n in enumerate(sizes)]
+    mine, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with mine:
+        xs = [cp.asarray(h) for h in hosts]
+        allreduce_many_(xs, "sum", comm)
+    with other:
+        got = [cp.asnumpy(x * 2, stream=other) for x in xs]  # on another stream, at once: no event, no sync
+        other.synchronize()
+    want = [reference(h) for h in hosts]  # collective: every rank makes every call before asserting
+    assert all(np.allclose(g, 2 * w, rtol=1e-5, atol=1e-3) for g, w in zip(got, want))
+
+
+@pytest.mark.mpi
 def test_bench_runs_each_rank_on_its_own_gpu(cp):
     from ringtrain.commands.bench import Suite
 
     spec = TaskSpec.from_mpi(comm)
+    # Away from that GPU first: the cp fixture already made it current, so
+    # the check below would hold whatever Suite did. (With one GPU nothing
+    # can differ; tests/unit/test_gpu_pure.py checks the wiring itself.)
+    backend.use_device((spec.device + 1) % backend.device_count())
     suite = Suite("gpu", comm)
     assert suite.gpu == spec.device == spec.local_rank % backend.device_count()
     assert cp.cuda.Device().id == suite.gpu

@@ -133,3 +133,34 @@ def test_host_and_device_transports_never_share_a_cache_slot():
     assert no_window is None
     if size > 1:  # within the host: the window for host buffers; CUDA IPC (without a GPU, the ring) for device ones
         assert inner[0] == "WindowTransport" and inner[1] in ("CudaIpcTransport", "RingTransport")
+
+
+@pytest.mark.mpi
+def test_ranks_act_on_one_agreed_answer_to_whether_mpi_reads_device_memory(monkeypatch):
+    # Each rank reads its own environment. A GPU allreduce once acted on each
+    # rank's own answer: a rank staging through the host asked for a host
+    # transport its peers never made (a hang, for hierarchical).
+    from ringtrain.comm.state import CommState, release
+
+    monkeypatch.setenv("RINGTRAIN_CUDA_AWARE", "1" if rank % 2 else "0")
+    dup = comm.Dup()
+    answers = comm.allgather(CommState.of(dup).agreed_cuda_aware())
+    release(dup)
+    assert answers == [False] * size
+
+
+@pytest.mark.mpi
+def test_a_bad_cuda_aware_setting_on_one_rank_raises_on_every_rank(monkeypatch):
+    from ringtrain.comm.state import CommState, release
+    from ringtrain.errors import UsageError
+
+    monkeypatch.setenv("RINGTRAIN_CUDA_AWARE", "yes" if rank == size - 1 else "1")
+    dup = comm.Dup()
+    try:
+        CommState.of(dup).agreed_cuda_aware()
+        error = None
+    except UsageError as exc:
+        error = str(exc)
+    errors = comm.allgather(error)
+    release(dup)
+    assert all(e is not None and "RINGTRAIN_CUDA_AWARE='yes'" in e for e in errors), errors

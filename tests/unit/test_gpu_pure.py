@@ -135,3 +135,54 @@ def test_a_cpu_command_line_chooses_no_device_before_mpi(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]), MPI_LOCALRANKID="1")
     out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and not marker.exists(), out.stderr
+
+
+def test_bench_puts_each_rank_on_the_gpu_its_local_rank_picks(monkeypatch):
+    # tests/mpi/test_gpu.py checks this on a GPU, but there its fixture has
+    # already made that GPU current, and a machine with one GPU cannot tell
+    # the ranks' choices apart: only the wiring itself shows it here.
+    import dataclasses
+
+    from ringtrain import backend
+    from ringtrain.cluster.topology import TaskSpec
+    from ringtrain.commands import bench
+
+    chosen = []
+    spec = TaskSpec(rank=3, size=4, local_rank=3, local_size=4, hostname="h", device=1)
+    monkeypatch.setattr(backend, "xp_for", lambda device: np)
+    monkeypatch.setattr(backend, "use_device", chosen.append)
+    monkeypatch.setattr(bench, "_gloo_group", lambda comm: None)
+    monkeypatch.setattr(TaskSpec, "from_mpi", classmethod(lambda cls, comm=None, device_count=None: spec))
+    suite = bench.Suite("gpu", comm=None)
+    assert suite.gpu == 1 and chosen == [1], dataclasses.asdict(spec)
+
+
+def test_info_asks_about_cuda_ipc_from_the_gpu_each_rank_would_use(monkeypatch):
+    # On a host with several GPUs, info once asked from GPU 0 on every rank:
+    # it mapped memory within one GPU and said "yes" where a run, mapping
+    # across GPUs, could fail.
+    from mpi4py import MPI
+
+    from ringtrain import backend
+    from ringtrain.cluster.topology import TaskSpec
+    from ringtrain.commands import info
+    from ringtrain.comm.transports.cuda_ipc import CudaIpcTransport
+
+    calls = []
+    monkeypatch.setattr(backend, "use_device", lambda index: calls.append(("use_device", index)))
+    monkeypatch.setattr(CudaIpcTransport, "attempt",
+                        classmethod(lambda cls, comm: calls.append(("attempt", None)) or (None, "stand-in")))
+
+    class TwoRanks:  # COMM_WORLD's answers, as if there were two ranks
+        def allreduce(self, value, op=None):
+            return value
+
+        def Get_size(self):
+            return 2
+
+        def Dup(self):
+            return MPI.COMM_SELF.Dup()
+
+    spec = TaskSpec(rank=1, size=2, local_rank=1, local_size=2, hostname="h", device=1)
+    assert info._cuda_ipc(TwoRanks(), spec) == "stand-in"
+    assert calls == [("use_device", 1), ("attempt", None)]

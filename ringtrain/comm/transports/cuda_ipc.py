@@ -222,7 +222,9 @@ class CudaIpcTransport(Transport):
         if self._slots is not None:
             self._slots.close()
         self._slots = _Mapped(self.comm, 2 * half)
-        self._half = half
+        # Where a rank could not map (on every rank alike), no half is usable:
+        # the next call grows again rather than staging into slots that are gone.
+        self._half = half if self._slots.ok else 0
         return self._slots.ok
 
     def _stage(self, x):
