@@ -26,8 +26,9 @@ __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line
 # --- restarts and failure reports (pure) --------------------------------------
 
 # Statuses a restart cannot fix: 2 is a usage error (a bad flag or file, the
-# same on the next run); 126 and 127 are a command that cannot be run.
-NO_RESTART_STATUSES = (2, 126, 127)
+# same on the next run); 4 is a diverged training run (restarted with the same
+# --lr it diverges again); 126 and 127 are a command that cannot be run.
+NO_RESTART_STATUSES = (2, 4, 126, 127)
 
 
 def exit_status(returncode):

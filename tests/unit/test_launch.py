@@ -358,7 +358,7 @@ def test_a_log_directory_that_cannot_be_made_is_refused_first(tmp_path):
 
 @pytest.mark.parametrize("status, done, stopped, expected", [
     (1, 0, False, True), (137, 2, False, True), (1, 3, False, False), (0, 0, False, False),
-    (2, 0, False, False), (127, 0, False, False), (126, 0, False, False), (143, 0, True, False),
+    (2, 0, False, False), (4, 0, False, False), (127, 0, False, False), (126, 0, False, False), (143, 0, True, False),
 ])
 def test_which_failures_are_restarted(status, done, stopped, expected):
     assert J.should_restart(status, done, 3, stopped) is expected
