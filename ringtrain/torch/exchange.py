@@ -128,9 +128,9 @@ class GradientExchange:
         with torch.no_grad():
             if grad is None:
                 slot.zero_()
+            elif grad.is_sparse:
+                slot.copy_(grad.to_dense())
             elif grad.data_ptr() != slot.data_ptr():  # not already the slot (see _write_back)
-                if grad.is_sparse:
-                    grad = grad.to_dense()
                 slot.copy_(torch.view_as_real(grad) if grad.is_complex() else grad)
                 if self.prescale != 1.0:
                     slot.mul_(self.prescale)

@@ -347,3 +347,26 @@ def test_buckets_are_handed_over_while_backward_runs(monkeypatch):
     buckets = sum(len(r.buckets) for r in opt._exchange.reducers)
     assert buckets == 4 and len(during) == 1 and during[0] >= 2, (buckets, during)
     assert _close(model, reference, 1e-9)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
+    # Each rank looks up its own rows; the reference sums every rank's lookups on one embedding.
+    def build():
+        torch.manual_seed(3)
+        return torch.nn.Embedding(10, 3, sparse=True).double()
+
+    emb, reference = build(), build()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), sparse_as_dense=sparse_as_dense)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ids = [torch.tensor([r % 10, (3 * r + 1) % 10, 7]) for r in range(size)]
+    for _ in range(2):
+        opt.zero_grad()
+        emb(ids[rank]).square().sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(reference(i).square().sum() for i in ids) / size).backward()
+        ref_opt.step()
+    assert emb.weight.grad.is_sparse
+    assert torch.allclose(emb.weight, reference.weight, atol=1e-12)
