@@ -18,6 +18,7 @@ import sys
 from . import __version__
 from .errors import UsageError
 from .failure import abort_on_error
+from .io.safeio import printable
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -86,8 +87,31 @@ _STARTUP_HINT = "a rank that printed no such line never got there; raise --timeo
 _HELP = "asked for --help instead of a run; give every rank the same command line"
 
 
+def wants_gpu(argv):
+    """True when the command line asks for ``--device gpu`` (pure; a config file's choice is found later)."""
+    return any(word == "--device=gpu" or (word == "--device" and nxt == "gpu")
+               for word, nxt in zip(argv, argv[1:] + [None]))
+
+
+def _device_before_mpi(argv):
+    # A CUDA-aware MPI (Open MPI with UCX, GPU-enabled MPICH) may set up CUDA
+    # on the current device inside MPI_Init, which mpi4py calls on import:
+    # left alone, every rank would hold a context on GPU 0 and get GPU 0's
+    # affinity. The launcher's local rank is known before then; the trainer
+    # makes the same choice later from MPI's own view (TaskSpec.device).
+    import os
+
+    from . import backend
+    from .cluster.launch import local_rank_from_env
+
+    local = local_rank_from_env(os.environ)
+    if local is not None and wants_gpu(argv) and backend.gpu_available():
+        backend.use_device(local % backend.device_count())
+
+
 def _main_collective(argv):
     """Parse and check on this rank, agree with every rank, then run (collective)."""
+    _device_before_mpi(argv)
     from .failure import verdict_of
 
     args = prepared = problem = None
@@ -211,7 +235,9 @@ def main(argv=None):
     except UsageError as exc:
         prints, stale = _who_reports()
         if prints:
-            print(f"ringtrain: error: {exc}", file=sys.stderr)
+            # Escaped: the message may quote a config file or a path, whose
+            # escape sequences must not reach the terminal.
+            print(f"ringtrain: error: {printable(exc)}", file=sys.stderr)
         if stale:
             print(f"ringtrain: warning: {stale}={os.environ[stale]} is set, but no MPI launcher started this "
                   f"process; unset {stale}, or start it with mpirun", file=sys.stderr)

@@ -17,6 +17,7 @@ import sys
 import traceback
 
 from .errors import UsageError
+from .io.safeio import printable
 
 __all__ = ["agree", "verdict_of", "abort_on_error", "describe"]
 
@@ -96,6 +97,6 @@ def abort_on_error(comm=None, stream=None):
         code = 2 if isinstance(exc, UsageError) else 1
         if not isinstance(exc, (UsageError, SystemExit, KeyboardInterrupt)):
             traceback.print_exception(exc, file=stream)
-        stream.write(f"rank {comm.Get_rank()}: {describe(exc)}\n")
+        stream.write(f"rank {comm.Get_rank()}: {printable(describe(exc))}\n")
         stream.flush()
         comm.Abort(code)

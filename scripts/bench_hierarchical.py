@@ -4,7 +4,7 @@
     mpirun -np 4 python scripts/bench_hierarchical.py --sizes 4M,16M,64M --iters 7 --json
 
 For each float32 message size every iteration runs the flat ring
-(``algorithm="ring"``), the hierarchical allreduce and MPI's own
+(``transport="ring"``), the hierarchical allreduce and MPI's own
 ``Allreduce`` in turn, so a change in load hits all three alike. An
 iteration's time is the slowest rank's; the table shows the median over
 iterations after one warm-up, the bus bandwidth ``bytes * 2(N-1)/N / time``,
@@ -42,7 +42,7 @@ def timed(comm, x, reference, iters):
             work[...] = x
             comm.Barrier()
             start = time.perf_counter()
-            allreduce_(work, op="sum", comm=comm, algorithm=name)
+            allreduce_(work, op="sum", comm=comm, transport=name)
             elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             if i:
                 times[name].append(elapsed)
@@ -69,7 +69,8 @@ def main(argv=None):
         medians, error = timed(comm, x, reference, args.iters)
         error = comm.allreduce(error, op=MPI.MAX)
         bus = nbytes * 2 * (spec.size - 1) / spec.size
-        rows.append({"bytes": nbytes, "error": error, "ring_over_hierarchical": medians["ring"] / medians["hierarchical"],
+        rows.append({"bytes": nbytes, "error": error,
+                     "ring_over_hierarchical": medians["ring"] / medians["hierarchical"],
                      **{f"{k}_s": v for k, v in medians.items()},
                      **{f"{k}_busbw_gbs": bus / v / 1e9 for k, v in medians.items()}})
     if spec.rank != 0:

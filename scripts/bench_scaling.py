@@ -52,7 +52,8 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
     parser.add_argument("--variant", action="append", metavar="FLAGS",
                         help="a setting to measure, as ringtrain train flags in one string (repeatable; "
-                             "default: the defaults alone); e.g. --variant= --variant=--no-shard-optimizer (with '=', since the flags start with a dash)")
+                             "default: the defaults alone); e.g. --variant= --variant=--no-shard-optimizer "
+                             "(with '=', since the flags start with a dash)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per variant instead of a table")
     parser.add_argument("extra", nargs="*", help="after --: more ringtrain train flags, for every variant")
     args = parser.parse_args(argv)

@@ -70,9 +70,12 @@ import subprocess
 import sys
 import time
 
-CONTESTANTS = ("ddp-gloo", "horovod", "ringtrain-torch", "ringtrain-adapter", "ringtrain-numpy")
+CONTESTANTS = ("ringtrain-hvd", "ddp-gloo", "horovod", "ringtrain-torch", "ringtrain-adapter", "ringtrain-numpy")
 PEERS = ("ddp-gloo", "horovod")
-MODELS = ("mlp", "cnn")
+# The same Horovod-style script, with `import horovod.torch as hvd` or `import ringtrain.torch as hvd`.
+HOROVOD_STYLE = {"horovod": "horovod.torch", "ringtrain-hvd": "ringtrain.torch"}
+MODELS = ("mlp", "cnn", "resnet")
+LATENCY_BYTES = (4 << 10, 4 << 20)
 SIZES = (784, 512, 512, 10)  # the MLP
 CHANNELS, KERNEL, HIDDEN = (16, 32), 5, 128  # the CNN
 BATCH, LR, MOMENTUM = 64, 0.05, 0.9
@@ -81,10 +84,36 @@ BLOCK = 20  # steps per timed block
 
 # -- one worker (inside mpirun) ------------------------------------------------
 
+def _resnet():
+    """A small ResNet for 28x28 images: a 3x3 stem, three stages of one basic block (16, 32, 64 channels)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.skip = (nn.Sequential() if stride == 1 and cin == cout else
+                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+        def forward(self, x):
+            out = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+    return nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                         Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
 def _torch_model(kind):
     import torch
 
     torch.manual_seed(0)
+    if kind == "resnet":
+        return _resnet()
     if kind == "cnn":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from train_torch import cnn
@@ -150,11 +179,11 @@ def _steps(contestant, kind, comm, data):
     if contestant == "ringtrain-adapter":
         from ringtrain.torch import TorchModel
 
-        shape = data.image_shape if kind == "cnn" else None
+        shape = data.image_shape if kind in ("cnn", "resnet") else None
         return _ringtrain_steps(TorchModel(_torch_model(kind), input_shape=shape), comm, data)
 
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    if kind == "cnn":
+    if kind in ("cnn", "resnet"):
         x = x.reshape(len(x), *data.image_shape)
     model = _torch_model(kind)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -167,9 +196,10 @@ def _steps(contestant, kind, comm, data):
         dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
         model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    if contestant == "horovod":
-        import horovod.torch as hvd
+    if contestant in HOROVOD_STYLE:
+        import importlib
 
+        hvd = importlib.import_module(HOROVOD_STYLE[contestant])
         hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # Horovod has no no_sync(): at 2+ ranks its hooks on the parameters' gradient
@@ -195,12 +225,12 @@ def _steps(contestant, kind, comm, data):
                 loss_fn(model(xb), yb).backward()
             opt.step()
             return
-        if contestant == "horovod" and not communicate:
+        if contestant in HOROVOD_STYLE and not communicate:
             plain_opt.zero_grad(set_to_none=False)
             loss_fn(local(xb), yb).backward()
             plain_opt.step()
             return
-        if contestant == "horovod":
+        if contestant in HOROVOD_STYLE:
             opt.zero_grad()  # Horovod 0.28's zero_grad() takes no set_to_none
         else:
             opt.zero_grad(set_to_none=False)
@@ -251,25 +281,69 @@ def worker(contestant, kind, blocks):
         print("RESULT " + json.dumps(result), flush=True)
 
 
+def latency_worker(contestant, repeats):
+    """Median seconds of ``allreduce_async_`` + ``synchronize`` on float32 tensors of LATENCY_BYTES (rank 0 prints)."""
+    import importlib
+
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    hvd = importlib.import_module(HOROVOD_STYLE[contestant])
+    hvd.init()
+    comm = MPI.COMM_WORLD
+    result = {}
+    for nbytes in LATENCY_BYTES:
+        tensor = torch.ones(nbytes // 4)
+        calls = max(20, repeats * (4096 // max(1, nbytes >> 10)))  # many small calls, fewer big ones
+        for _ in range(10):  # warm-up: buffers, plans, fusion
+            hvd.synchronize(hvd.allreduce_async_(tensor, name=f"lat.{nbytes}"))
+        times = []
+        comm.Barrier()
+        for _ in range(min(calls, 2000)):
+            start = time.perf_counter()
+            hvd.synchronize(hvd.allreduce_async_(tensor, name=f"lat.{nbytes}"))
+            times.append(time.perf_counter() - start)
+        # Every rank's median; the slower rank's is the one a step waits for.
+        result[str(nbytes)] = max(comm.allgather(statistics.median(times)))
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
 # -- the driver ----------------------------------------------------------------
 
-def _available(contestant):
+def _python(contestant, horovod_python):
+    """The interpreter for a contestant: Horovod may live in a virtual environment of its own."""
+    return horovod_python if contestant == "horovod" and horovod_python else sys.executable
+
+
+def _available(contestant, horovod_python=None):
     module = {"ddp-gloo": "torch.distributed", "horovod": "horovod.torch", "ringtrain-torch": "torch",
-              "ringtrain-adapter": "torch"}.get(contestant)
+              "ringtrain-adapter": "torch", "ringtrain-hvd": "torch"}.get(contestant)
     if module is None:
         return True
     probe = f"import {module}"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+    return subprocess.run([_python(contestant, horovod_python), "-c", probe], capture_output=True,
+                          env=_env()).returncode == 0
 
 
-def launch(contestant, kind, ranks, blocks):
-    from ringtrain.cluster.launch import detect_flavour, find_mpirun, mpi_env, mpirun_command
+def _env():
+    from ringtrain.cluster.launch import detect_flavour, find_mpirun, mpi_env
 
     env = mpi_env(detect_flavour(find_mpirun()))
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    command = [sys.executable, os.path.abspath(__file__), "--worker", contestant, "--model", kind,
-               "--blocks", str(blocks)]
-    done = subprocess.run(mpirun_command(ranks, command), env=env, capture_output=True, text=True, timeout=600)
+    # Another environment's interpreter (Horovod's) reads ringtrain from this checkout.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def launch(contestant, kind, ranks, blocks, horovod_python=None, latency=False):
+    from ringtrain.cluster.launch import mpirun_command
+
+    command = [_python(contestant, horovod_python), os.path.abspath(__file__),
+               "--latency-worker" if latency else "--worker", contestant, "--model", kind, "--blocks", str(blocks)]
+    done = subprocess.run(mpirun_command(ranks, command), env=_env(), capture_output=True, text=True, timeout=600)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
         sys.exit(f"bench_torch: {contestant} at {ranks} rank(s) failed (exit {done.returncode}):\n"
@@ -282,10 +356,10 @@ def _speed(results, contestant, n):
     return n * BATCH / statistics.median(r["step"] for r in results[(contestant, n)])
 
 
-def table(results, ranks, missing):
-    lines = [f"{'contestant':<18} {'ranks':>5} {'samples/s':>10} {'step ms':>8} {'comm share':>10} "
+def table(results, ranks, missing, contestants=CONTESTANTS):
+    lines = [f"{'contestant':<18} {'ranks':>5} {'images/s':>10} {'step ms':>8} {'comm share':>10} "
              f"{'scaling':>8}"]
-    for contestant in CONTESTANTS:
+    for contestant in contestants:
         if contestant in missing:
             lines.append(f"{contestant:<18} {missing[contestant]}")
             continue
@@ -303,11 +377,11 @@ def table(results, ranks, missing):
     return "\n".join(lines)
 
 
-def ratios(results, ranks, missing):
-    """Each ringtrain contestant's samples/s over each peer's, at the same rank count, from this run."""
-    peers = [p for p in PEERS if p not in missing]
+def ratios(results, ranks, missing, contestants=CONTESTANTS):
+    """Each ringtrain contestant's images/s over each peer's, at the same rank count, from this run."""
+    peers = [p for p in PEERS if p not in missing and p in contestants]
     lines = []
-    for contestant in CONTESTANTS:
+    for contestant in contestants:
         if contestant in PEERS or contestant in missing or not peers:
             continue
         for n in ranks:
@@ -317,6 +391,58 @@ def ratios(results, ranks, missing):
     return "\n".join(lines)
 
 
+def _uptime():
+    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def horovod_suite(args):
+    """ringtrain.torch against DDP-gloo and Horovod at 2 ranks: every model, then the latency of one op."""
+    contestants = ("ringtrain-hvd", "ddp-gloo", "horovod")
+    missing = {}
+    for c in contestants:
+        if not _available(c, args.horovod_python):
+            missing[c] = "horovod not installed (see --horovod-python)" if c == "horovod" else "torch not installed"
+    running = [c for c in contestants if c not in missing]
+    print(f"ringtrain.torch against its peers at 2 ranks, CPU, 1 thread per rank; {_uptime()} (before)")
+    for kind in MODELS:
+        results = {(c, 2): [] for c in running}
+        for _ in range(args.repeats):
+            for c in running:  # interleaved, so background load hits every contestant alike
+                results[(c, 2)].append(launch(c, kind, 2, args.blocks, args.horovod_python))
+        print(f"\n{_network(kind)}, mnist5k, batch {BATCH} per rank, medians of {args.repeats} launches x "
+              f"{args.blocks} blocks of {BLOCK} steps")
+        print(table(results, [2], missing, contestants))
+        print(ratios(results, [2], missing, contestants))
+    latency = [c for c in running if c in HOROVOD_STYLE]
+    runs = {c: [] for c in latency}
+    for _ in range(args.repeats):
+        for c in latency:
+            runs[c].append(launch(c, "mlp", 2, args.blocks, args.horovod_python, latency=True))
+    print(f"\nallreduce_async_ + synchronize on float32, 2 ranks, median per call (the slower rank), "
+          f"median of {args.repeats} launches")
+    print(f"{'contestant':<18} " + " ".join(f"{_size(b):>10}" for b in LATENCY_BYTES))
+    medians = {c: [statistics.median(r[str(b)] for r in runs[c]) for b in LATENCY_BYTES] for c in latency}
+    for c in latency:
+        print(f"{c:<18} " + " ".join(f"{t * 1e6:>8.0f}us" for t in medians[c]))
+    if "horovod" in medians and "ringtrain-hvd" in medians:
+        print("horovod / ringtrain-hvd (above 1: ringtrain faster): " +
+              ", ".join(f"{_size(b)} {h / r:.2f}x" for b, h, r in zip(LATENCY_BYTES, medians["horovod"],
+                                                                     medians["ringtrain-hvd"])))
+    for c, why in missing.items():
+        print(f"{c}: {why}")
+    print(f"\n{_uptime()} (after)")
+    return 0
+
+
+def _size(nbytes):
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _network(kind):
+    return {"mlp": f"MLP {'-'.join(map(str, SIZES))}", "cnn": f"CNN {CHANNELS} k={KERNEL} hidden={HIDDEN}",
+            "resnet": "ResNet (stem + 3 basic blocks, 16/32/64 channels)"}[kind]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="launches per contestant and size (default 3)")
@@ -324,32 +450,41 @@ def main(argv=None):
     parser.add_argument("--ranks", default="1,2", help="rank counts (default 1,2)")
     parser.add_argument("--model", choices=MODELS, default="mlp", help="the network (default mlp)")
     parser.add_argument("--only", default=",".join(CONTESTANTS), help="comma-separated contestants")
+    parser.add_argument("--suite", choices=["horovod"], help="horovod: ringtrain.torch, DDP-gloo and Horovod at "
+                        "2 ranks on every model, and allreduce latency")
+    parser.add_argument("--horovod-python", help="the interpreter of a virtual environment with Horovod installed")
     parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     parser.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--latency-worker", choices=sorted(HOROVOD_STYLE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.model, args.blocks)
         return 0
+    if args.latency_worker:
+        latency_worker(args.latency_worker, args.blocks)
+        return 0
+    if args.suite == "horovod":
+        return horovod_suite(args)
     ranks = [int(n) for n in args.ranks.split(",")]
     chosen = [c for c in CONTESTANTS if c in args.only.split(",")]
     missing = {c: "not selected" for c in CONTESTANTS if c not in chosen}
     for c in chosen:
-        if not _available(c):
+        if not _available(c, args.horovod_python):
             missing[c] = "horovod not installed" if c == "horovod" else "torch not installed"
+    if args.model == "resnet" and "ringtrain-numpy" in chosen:
+        missing["ringtrain-numpy"] = "no NumPy ResNet"
     running = [c for c in chosen if c not in missing]
     load = os.getloadavg()[0]
     results = {(c, n): [] for c in running for n in ranks}
     for _ in range(args.repeats):
         for n in ranks:
             for c in running:
-                results[(c, n)].append(launch(c, args.model, n, args.blocks))
-    network = (f"MLP {'-'.join(map(str, SIZES))}" if args.model == "mlp" else
-               f"CNN {CHANNELS} k={KERNEL} hidden={HIDDEN}")
-    print(f"{network}, mnist5k, batch {BATCH} per rank, 1 thread per rank, "
+                results[(c, n)].append(launch(c, args.model, n, args.blocks, args.horovod_python))
+    print(f"{_network(args.model)}, mnist5k, batch {BATCH} per rank, 1 thread per rank, "
           f"medians of {args.repeats} launches x {args.blocks} blocks of {BLOCK} steps")
     print(table(results, ranks, missing))
     if ratios(results, ranks, missing):
-        print("samples/s against the peers, same run:")
+        print("images/s against the peers, same run:")
         print(ratios(results, ranks, missing))
     print(f"load average: {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     if args.json:

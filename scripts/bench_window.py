@@ -66,11 +66,11 @@ def main(argv=None):
         contestants = {}
         for name in args.only.split(","):
             if name == "mpi":
-                contestants[name] = lambda: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
+                contestants[name] = lambda x=x: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)
             else:
-                contestants[name] = lambda name=name: allreduce_(x, "sum", comm, algorithm=name)
+                contestants[name] = lambda name=name, x=x: allreduce_(x, "sum", comm, transport=name)
         if old is not None:
-            contestants["before"] = lambda: old.allreduce(x)
+            contestants["before"] = lambda x=x: old.allreduce(x)
         times = np.empty((len(contestants), args.iters + 1))
         for i in range(args.iters + 1):
             for k, fn in enumerate(contestants.values()):
@@ -85,7 +85,8 @@ def main(argv=None):
         times = {name: times[k, 1:] for k, name in enumerate(contestants)}
         row = {"bytes": nbytes}
         for name, t in times.items():
-            row[name] = {"time_us": float(np.median(t)) * 1e6, "busbw_GBps": nbytes * factor / float(np.median(t)) / 1e9}
+            median = float(np.median(t))
+            row[name] = {"time_us": median * 1e6, "busbw_GBps": nbytes * factor / median / 1e9}
             if "ring" in times and name != "ring":
                 row[name]["vs_ring_busbw"] = float(np.median(times["ring"] / t))
             if "mpi" in times and name != "mpi":

@@ -26,6 +26,7 @@ import time
 from mpi4py import MPI
 
 import ringtrain.training.loop
+import ringtrain.training.startup
 from ringtrain import TrainConfig
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -72,9 +73,9 @@ def main(argv=None):
     # 100 steps per epoch at any rank count: 800 training rows per rank, batch 8.
     samples = 1000 * size
     every = max(1, args.steps // 40)
-    build = ringtrain.training.loop.build_model
+    build = ringtrain.training.startup.build_model
     samples_taken = []
-    ringtrain.training.loop.build_model = lambda *a, **kw: sampled(build(*a, **kw), every, samples_taken)
+    ringtrain.training.startup.build_model = lambda *a, **kw: sampled(build(*a, **kw), every, samples_taken)
     run_dir = comm.bcast(tempfile.mkdtemp(prefix="ringtrain-soak-") if comm.Get_rank() == 0 else None)
     cfg = TrainConfig(dataset="synthetic", samples=samples, features=16, classes=4, hidden=(32,),
                       batch_size=8, epochs=-(-args.steps // 100), max_steps=args.steps, lr=0.01,

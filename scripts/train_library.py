@@ -23,7 +23,7 @@ with ringtrain.abort_on_error():  # an exception on one rank ends the whole job,
 
     plan = ringtrain.EpochPlan.for_shard(data, batch_size=BATCH, seed=0)  # same steps on every rank
     for epoch in range(EPOCHS):
-        for step, rows in plan.batches(epoch):
+        for _step, rows in plan.batches(epoch):
             loss, grads, correct = model.loss_and_grad(data.x[rows], data.y[rows])
             ringtrain.allreduce_many_(list(grads.values()), op="mean")
             opt.step(model.params, grads, LR)

@@ -41,7 +41,7 @@ def run(args, timeout=120, env=None, cwd=None, input=None):
         _sweep_shared_memory(started)
         raise AssertionError(
             f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
-        )
+        ) from None
     if proc.returncode != 0:
         _sweep_shared_memory(started)
     return subprocess.CompletedProcess(args, proc.returncode, out, err)

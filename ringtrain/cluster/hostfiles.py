@@ -10,10 +10,10 @@ import dataclasses
 import os
 import re
 import socket
-import stat
 import subprocess
 
 from ..errors import UsageError
+from ..io.safeio import Unreadable, open_regular_fd
 
 __all__ = ["Host", "EXPECTED", "parse_hostfile", "read_hostfile", "parse_host_list", "format_hostfile",
            "check_slots", "check_total_slots", "np_limit", "check_np", "check_hosts", "MAX_NP", "RANKS_PER_CORE"]
@@ -118,16 +118,6 @@ def parse_hostfile(text, source="hostfile"):
 MAX_HOSTFILE_BYTES = 1 << 20
 
 
-def _file_kind(mode):
-    """What a non-regular file is, in words, for an error message (pure)."""
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return None if stat.S_ISREG(mode) else "not a regular file"
-
-
 def read_hostfile(path):
     """Read and parse the hostfile at ``path``.
 
@@ -137,17 +127,14 @@ def read_hostfile(path):
     def fail(why):
         return UsageError(f"cannot read hostfile {path!r}: {why}; give a text file of 'host slots=N' lines")
     try:
-        # O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise fail(exc.strerror) from None
+        fd = open_regular_fd(path, MAX_HOSTFILE_BYTES)  # the safe open: never blocks on a FIFO, bounded
+    except Unreadable as exc:
+        if exc.oserror is not None:
+            raise fail(exc.oserror.strerror) from None
+        if exc.kind is not None:
+            raise fail(f"it is {_PIPE_WORDS.get(exc.kind, exc.kind)}") from None
+        raise fail(f"{exc.size:,} bytes is more than a hostfile's limit of {MAX_HOSTFILE_BYTES:,}") from None
     try:
-        info = os.fstat(fd)
-        kind = _file_kind(info.st_mode)
-        if kind is not None:
-            raise fail(f"it is {kind}")
-        if info.st_size > MAX_HOSTFILE_BYTES:
-            raise fail(f"{info.st_size:,} bytes is more than a hostfile's limit of {MAX_HOSTFILE_BYTES:,}")
         data = os.read(fd, MAX_HOSTFILE_BYTES + 1)
     except OSError as exc:
         raise fail(exc.strerror) from None
@@ -158,6 +145,10 @@ def read_hostfile(path):
     except UnicodeDecodeError:
         raise fail("it is not UTF-8 text") from None
     return parse_hostfile(text)
+
+
+# A hostfile's reader may not know the word FIFO.
+_PIPE_WORDS = {"a FIFO": "a FIFO (named pipe)"}
 
 
 def parse_host_list(text):

@@ -35,8 +35,10 @@ from .jobs import run_with_restarts
 
 __all__ = [
     "RANK_VARIABLES",
+    "LOCAL_RANK_VARIABLES",
     "SIZE_VARIABLES",
     "rank_from_env",
+    "local_rank_from_env",
     "size_from_env",
     "find_mpirun",
     "detect_flavour",
@@ -56,6 +58,8 @@ __all__ = [
 # Open MPI, PMIx launchers and Slurm's srun. The one list for the whole
 # package (the CLI, the per-rank log wrapper and the launcher read it).
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+# And to its rank on its host: MPICH's Hydra, Open MPI, Slurm's srun.
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 # And the ones they set to the number of ranks.
 SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
@@ -66,6 +70,19 @@ SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 def rank_from_env(env):
     """This process's rank from the launcher's variables, or None (pure)."""
     for name in RANK_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def local_rank_from_env(env):
+    """This process's rank on its host from the launcher's variables, or None (pure).
+
+    Known before MPI starts, so a GPU can be chosen before ``MPI_Init``
+    (which a CUDA-aware MPI may use to set up CUDA on the current device).
+    """
+    for name in LOCAL_RANK_VARIABLES:
         value = env.get(name, "")
         if value.isdigit():
             return int(value)

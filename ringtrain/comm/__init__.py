@@ -17,7 +17,10 @@ How the pieces fit:
   :mod:`~ringtrain.comm.transports.mpi` (MPI's own collectives),
   :mod:`~ringtrain.comm.transports.hierarchical` (within hosts, then across).
 * :mod:`~ringtrain.comm.reducer`: buckets reduced on a thread while backward
-  runs; :mod:`~ringtrain.comm.state`: what is cached on each communicator;
+  runs, each by a communication hook (:mod:`~ringtrain.comm.hooks`);
+  :mod:`~ringtrain.comm.state`: what is cached on each communicator
+  (:mod:`~ringtrain.comm.exchange`: the header exchange's mailbox;
+  :mod:`~ringtrain.comm.staging`: GPU arrays through pinned host memory);
   :mod:`~ringtrain.comm.schedule`: the pure index maths.
 * :mod:`~ringtrain.comm.guard`: the time bound on the public collectives
   (``set_timeout``, ``timeout``, ``RINGTRAIN_TIMEOUT``) and the refusal of a
@@ -26,10 +29,12 @@ How the pieces fit:
 
 from .buckets import allreduce_many_, plan_buckets
 from .collectives import allreduce, allreduce_, broadcast_
+from .hooks import allreduce_hook, fp16_compress_hook
 from .guard import get_timeout, set_timeout, timeout
 from .reducer import Reducer
 from .state import release
-from .transports import TRANSPORTS, create_transport
+from .transports import TRANSPORTS, create_transport, open_transport
 
-__all__ = ["allreduce", "allreduce_", "allreduce_many_", "broadcast_", "plan_buckets", "Reducer", "TRANSPORTS",
-           "create_transport", "release", "set_timeout", "get_timeout", "timeout"]
+__all__ = ["allreduce", "allreduce_", "allreduce_many_", "broadcast_", "plan_buckets", "Reducer", "allreduce_hook",
+           "fp16_compress_hook", "TRANSPORTS", "create_transport", "open_transport", "release", "set_timeout",
+           "get_timeout", "timeout"]

@@ -15,6 +15,7 @@ from .. import backend
 from .collectives import NO_PROBLEM, is_writeable, reduce_flat
 from .guard import collective
 from .header import DTYPE_CODE, DTYPES, SIGNATURE_MASK, Problem
+from .policy import transport_choice
 from .state import state_of
 
 __all__ = ["allreduce_many_", "plan_buckets", "pack", "unpack", "check_list", "reduce_bucket", "travels_as_fp16",
@@ -51,12 +52,13 @@ def plan_buckets(arrays, bucket_bytes):
 
 
 @collective("allreduce_many_")
-def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, algorithm="auto", compression=None):
+def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, transport="auto", compression=None,
+                    algorithm=None):
     """Reduce a list of arrays in place, fused into buckets (a model's gradients).
 
     Collective: every rank of ``comm`` must call it with a list of the same
     length, shapes and dtypes, in the same order, and the same ``op``,
-    ``bucket_bytes``, ``algorithm`` and ``compression``; otherwise every rank
+    ``bucket_bytes``, ``transport`` and ``compression``; otherwise every rank
     raises :class:`~ringtrain.errors.MismatchError`.
 
     Consecutive arrays of one dtype are copied into a fusion buffer of at most
@@ -70,7 +72,9 @@ def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, algorithm="
         op: ``"sum"``, ``"mean"``, ``"min"`` or ``"max"``.
         comm: communicator (default ``MPI.COMM_WORLD``).
         bucket_bytes: largest bucket (default :data:`DEFAULT_BUCKET_BYTES`).
-        algorithm: ``"auto"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
+        transport: ``"auto"``, ``"shm"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``
+            (see :func:`ringtrain.comm.collectives.allreduce_`).
+        algorithm: the deprecated name of ``transport``.
         compression: ``None``, or ``"fp16"`` to send float32 and float64
             arrays as float16 (Horovod's ``Compression.fp16``): half the bytes
             on the wire for about three decimal digits of precision. For
@@ -81,6 +85,7 @@ def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, algorithm="
     Returns:
         ``arrays`` itself, each array holding its result.
     """
+    algorithm = transport_choice(transport, algorithm, "allreduce_many_")
     state = state_of(comm)
     items = list(arrays.values()) if isinstance(arrays, dict) else list(arrays)
     bucket_bytes, signature, problem = check_list(items, bucket_bytes, compression)

@@ -11,7 +11,7 @@ values.
 How a call runs:
 
 * Small messages (at most :data:`~ringtrain.comm.policy.SMALL_BYTES`, with
-  ``algorithm="auto"``) are latency-bound, and carry their data with the
+  ``transport="auto"``) are latency-bound, and carry their data with the
   header, so the check costs nothing extra. On one host every rank posts
   header and data on the shared-memory board (:mod:`ringtrain.comm.board`)
   and passes one barrier, then adds everyone's data in rank order. Across
@@ -52,7 +52,8 @@ from .guard import collective
 from .header import (ALGORITHM_CODE, BROADCAST, COMBINE, DTYPE_CODE, OP_CODE, Problem, check_local, code_of,
                      exchange, raise_mismatch)
 from .plans import small_plan
-from .policy import SMALL_BYTES
+from .policy import SMALL_BYTES, transport_choice
+from .staging import download, pinned_like, upload
 from .state import state_of
 
 __all__ = ["allreduce", "allreduce_", "broadcast_", "reduce_flat", "is_writeable"]
@@ -90,10 +91,8 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
     if small:
         payload = state.payload(dtype, flat.size)
         if gpu:
-            backend.synchronize(flat)
-            flat.get(out=payload)
-            xp = backend.get_array_module(flat)
-            out = state.buffer("gpu-result", flat.nbytes, xp, pinned=True)[:flat.nbytes].view(dtype)
+            download(flat, payload)
+            out = pinned_like(state, flat, "gpu-result")
         else:
             payload[...] = flat
             out = flat
@@ -105,8 +104,7 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
         if op == "mean" and not predivide:
             np.divide(out, state.size, out=out)
         if gpu:
-            flat.set(out)
-            backend.synchronize(flat)
+            upload(out, flat)
         return flat
     verdict = exchange(state, header, None, None, None)
     if verdict is not None:
@@ -126,32 +124,30 @@ def _reduce_large(state, flat, op, algorithm, predivide, transport=None):
     if predivide:
         xp.divide(flat, state.size, out=flat)
     backend.synchronize(flat)
-    transport = transport or state.transport_for(algorithm, flat.nbytes, gpu=xp is not np)
+    transport = transport or state.transport_for(algorithm, flat.nbytes, backend.device_of(flat))
     if transport is None:
-        raise UsageError("algorithm 'shm' needs every rank on one host; use 'auto', 'ring' or 'hierarchical'",
+        raise UsageError("transport 'shm' needs every rank on one host; use 'auto', 'ring' or 'hierarchical'",
                          everywhere=True)
     transport.allreduce(flat, COMBINE[op])
     if op == "mean" and not predivide:
         xp.divide(flat, state.size, out=flat)
-        backend.synchronize(flat)
+    # CUDA IPC's allgather copies are still queued when the transport returns:
+    # a caller reading on another stream (torch's side streams) or thread
+    # would see the old values. Cheap next to the transport's two barriers.
+    backend.synchronize(flat)
 
 
 def _reduce_gpu(state, flat, op, algorithm, predivide):
     """A CuPy array: in place through CUDA IPC or a CUDA-aware MPI, else staged through pinned host memory."""
-    transport = state.transport_for(algorithm, flat.nbytes, gpu=True)
+    transport = state.transport_for(algorithm, flat.nbytes, backend.device_of(flat))
     if state.cuda_aware is None:
         state.cuda_aware = cuda_aware()[0]
-    if transport is not None and (transport.name == "cuda-ipc" or state.cuda_aware):
+    if transport is not None and (transport.on_device or state.cuda_aware):
         _reduce_large(state, flat, op, algorithm, predivide, transport)
         return
-    xp = backend.get_array_module(flat)
-    host = state.buffer("gpu-host", flat.nbytes, xp, pinned=True)[:flat.nbytes].view(flat.dtype)
-    backend.synchronize(flat)
-    flat.get(out=host)
+    host = download(flat, pinned_like(state, flat))
     _reduce_large(state, host, op, algorithm, predivide)
-    flat.set(host)
-    # set() may be asynchronous from pinned memory; the host buffer is reused next call.
-    backend.synchronize(flat)
+    upload(host, flat)
 
 
 def is_writeable(x):
@@ -168,11 +164,11 @@ def _flat_view(x):
 
 
 @collective("allreduce_")
-def allreduce_(x, op="mean", comm=None, algorithm="auto"):
+def allreduce_(x, op="mean", comm=None, transport="auto", algorithm=None):
     """Reduce ``x`` across the ranks of ``comm``, in place.
 
     Collective: every rank of ``comm`` must call it, with an array of the same
-    length and dtype and the same ``op`` and ``algorithm``, in the same order
+    length and dtype and the same ``op`` and ``transport``, in the same order
     as every other collective. If they differ, every rank raises
     :class:`~ringtrain.errors.MismatchError` naming both values.
 
@@ -183,18 +179,23 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
             copy); a read-only ``x`` is an error.
         op: ``"sum"``, ``"mean"`` (floating dtypes only), ``"min"`` or ``"max"``.
         comm: communicator (default ``MPI.COMM_WORLD``).
-        algorithm: ``"auto"`` (by size), ``"ring"``, ``"mpi"`` (MPI's own
-            ``Allreduce`` after the check) or ``"hierarchical"`` (within
-            hosts, then across them: :mod:`ringtrain.comm.transports.hierarchical`).
+        transport: ``"auto"`` (the size policy,
+            :func:`ringtrain.comm.policy.choose_transport`), ``"shm"`` (the
+            peer window on one host: shared memory, or CUDA IPC for CuPy
+            arrays), ``"ring"``, ``"mpi"`` (MPI's own ``Allreduce`` after the
+            check) or ``"hierarchical"`` (within hosts, then across them:
+            :mod:`ringtrain.comm.transports.hierarchical`).
+        algorithm: the deprecated name of ``transport`` (a DeprecationWarning).
 
     Returns:
         ``x``, holding the result, bitwise the same on every rank.
 
     Raises:
         MismatchError: on every rank, when ranks passed different lengths,
-            dtypes, ops or algorithms.
+            dtypes, ops or transports.
         UsageError: on every rank, when any rank's arguments are unusable.
     """
+    algorithm = transport_choice(transport, algorithm, "allreduce_")
     state = state_of(comm)
     if state.size > 1 and type(x) is np.ndarray and x.flags.writeable:
         plan = small_plan(state, "allreduce_", x, op, algorithm)
@@ -214,13 +215,14 @@ def allreduce_(x, op="mean", comm=None, algorithm="auto"):
 
 
 @collective("allreduce")
-def allreduce(x, op="mean", comm=None, algorithm="auto"):
+def allreduce(x, op="mean", comm=None, transport="auto", algorithm=None):
     """Reduce ``x`` across the ranks of ``comm`` into a new array.
 
     Collective, with the same contract as :func:`allreduce_`. ``x`` is left
     untouched; the result has its array module (NumPy or CuPy), dtype and
     shape and is C-contiguous.
     """
+    algorithm = transport_choice(transport, algorithm, "allreduce")
     xp = backend.get_array_module(x)
     result = xp.array(x, copy=True, order="C")
     reduce_flat(state_of(comm), "allreduce", result.reshape(-1), op, algorithm)
@@ -275,12 +277,11 @@ def broadcast_(x, root=0, comm=None):
             state.cuda_aware = cuda_aware()[0]
         backend.synchronize(target)
     if gpu and not state.cuda_aware:
-        host = state.buffer("gpu-host", target.nbytes, backend.get_array_module(target), pinned=True)
-        host = host[:target.nbytes].view(dtype)
-        target.get(out=host)
+        host = pinned_like(state, target)
+        if state.rank == root:  # the others' values are overwritten: no copy off the device for them
+            download(target, host)
         state.comm.Bcast([host, MPI.BYTE], root)
-        target.set(host)
-        backend.synchronize(target)
+        upload(host, target)
     else:
         state.comm.Bcast([target, MPI.BYTE], root)
     if flat is None:

@@ -5,7 +5,7 @@ Every collective in :mod:`ringtrain.comm.collectives` (and the
 that every rank completes whatever its arguments. The header is
 ``NFIELDS`` ints, one per entry of :data:`FIELDS`: a problem code (nonzero
 when this rank found its own arguments unusable, a :class:`Problem`), the
-number of arrays, the dtype, length, op and algorithm codes, the broadcast
+number of arrays, the dtype, length, op and transport codes, the broadcast
 root, and a signature (a hash of every shape and dtype of a list reduction,
 and its compression).
 
@@ -69,7 +69,7 @@ ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 COMBINE = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
 
 # Header fields, in the order a mismatch is reported (the most telling first).
-FIELDS = ("problem", "narrays", "dtype", "length", "op", "algorithm", "root", "signature", "device")
+FIELDS = ("problem", "narrays", "dtype", "length", "op", "transport", "root", "signature", "device")
 NFIELDS = len(FIELDS)
 HEADER = struct.Struct(f"<{2 * NFIELDS}q")
 HEADER_BYTES = HEADER.size
@@ -104,7 +104,7 @@ _SUMMARIES = {
     Problem.NONE: "no problem",
     Problem.DTYPE: "unsupported dtype",
     Problem.OP: "unknown op",
-    Problem.ALGORITHM: "unknown algorithm",
+    Problem.ALGORITHM: "unknown transport",
     Problem.READ_ONLY: "the array is read-only",
     Problem.MEAN_NEEDS_FLOAT: "op 'mean' needs a floating-point dtype",
     Problem.ROOT: "root is outside the communicator",
@@ -120,8 +120,8 @@ def _describe(field, value):
     if field == "op":
         names = OPS + ("broadcast",)
         return repr(names[value - 1]) if 0 < value <= len(names) else "an unknown op"
-    if field == "algorithm":
-        return repr(ALGORITHMS[value - 1]) if 0 < value <= len(ALGORITHMS) else "an unknown algorithm"
+    if field == "transport":
+        return repr(ALGORITHMS[value - 1]) if 0 < value <= len(ALGORITHMS) else "an unknown transport"
     if field == "length":
         return f"{value} elements"
     if field == "device":
@@ -195,7 +195,7 @@ def code_of(table, name):
     return table.get(name, 0) if isinstance(name, str) else 0
 
 
-def check_local(flat, op, algorithm):
+def check_local(flat, op, choice):
     """``(Problem, message)`` for this rank's own arguments; ``(Problem.NONE, None)`` when fine."""
     dtype = flat.dtype
     if dtype not in DTYPE_CODE:
@@ -203,8 +203,8 @@ def check_local(flat, op, algorithm):
         return Problem.DTYPE, f"unsupported dtype {dtype}; use one of {names}"
     if not isinstance(op, str) or op not in OP_CODE:
         return Problem.OP, f"unknown op {op!r}; choose one of {', '.join(OPS)}"
-    if not isinstance(algorithm, str) or algorithm not in ALGORITHM_CODE:
-        return Problem.ALGORITHM, f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+    if not isinstance(choice, str) or choice not in ALGORITHM_CODE:
+        return Problem.ALGORITHM, f"unknown transport {choice!r}; choose one of {', '.join(ALGORITHMS)}"
     if op == "mean" and dtype.kind != "f":
         return Problem.MEAN_NEEDS_FLOAT, f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide"
     return Problem.NONE, None
@@ -229,27 +229,23 @@ def exchange(state, header, payload, combine, out):
         out: 1-D NumPy array the result is written to.
 
     Collective over ``state.comm`` (a :class:`ringtrain.comm.state.CommState`,
-    whose buffers it uses).
+    whose :class:`~ringtrain.comm.exchange.Mailbox` it uses).
 
     Returns:
         None when every rank sent the same header, else ``(lowest, highest)``
         field values over all ranks.
     """
-    comm, rank = state.comm, state.rank
-    mine = state.packed.get(header)
-    if mine is None:
-        if len(state.packed) > 1024:  # bounded: headers repeat in training loops
-            state.packed.clear()
-        mine = state.packed[header] = HEADER.pack(*header, *(-v for v in header))
+    comm, rank, box = state.comm, state.rank, state.mailbox
+    mine = box.packed(header)
     board = state.board()
     if board is not None:
         return board.exchange(mine, payload is not None, combine, out)
-    state.send_bytes[:HEADER_BYTES] = mine
+    box.send_bytes[:HEADER_BYTES] = mine
     if payload is None:
-        message, theirs = state.header_only, None
+        message, theirs = box.header_only, None
     else:
-        message, theirs = state.views(payload.dtype, payload.size)[1:]
-    heard, received = state.heard, state.recv_bytes[:HEADER_BYTES]
+        message, theirs = box.views(payload.dtype, payload.size)[1:]
+    heard, received = box.heard, box.recv_bytes[:HEADER_BYTES]
     agreed = True
     last = len(state.doubling) - 1
     for step, (kind, peer) in enumerate(state.doubling):
@@ -259,7 +255,7 @@ def exchange(state, header, payload, combine, out):
             agreed = received.tobytes() == mine
             if agreed and payload is not None:
                 out[...] = theirs
-            return _verdict(agreed, state.recv_header)
+            return _verdict(agreed, box.recv_header)
         if kind == "unfold":
             comm.Send(message, peer, TAG)
             continue
@@ -269,7 +265,7 @@ def exchange(state, header, payload, combine, out):
             comm.Recv(heard, peer, TAG)
         if received.tobytes() != mine:
             agreed = False
-            np.minimum(state.send_header, state.recv_header, out=state.send_header)
+            np.minimum(box.send_header, box.recv_header, out=box.send_header)
         if agreed and payload is not None:
             # On the last round (nothing left to pass on) write the result
             # straight to its destination: one copy fewer.
@@ -280,7 +276,7 @@ def exchange(state, header, payload, combine, out):
                 combine(payload, theirs, out=target)
     if agreed and payload is not None and (last < 0 or state.doubling[last][0] == "unfold"):
         out[...] = payload
-    return _verdict(agreed, state.send_header)
+    return _verdict(agreed, box.send_header)
 
 
 def _verdict(agreed, header):

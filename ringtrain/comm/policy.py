@@ -4,8 +4,10 @@ Pure: no MPI. :func:`choose_transport` is the only decision; each threshold
 carries the measurement behind it, so a new measurement changes one line.
 """
 
-__all__ = ["choose_transport", "ALGORITHMS", "SMALL_BYTES", "WINDOW_BYTES", "RING_BYTES", "SEGMENT_BYTES",
-           "SMALL_VALUES"]
+import warnings
+
+__all__ = ["choose_transport", "transport_choice", "TRANSPORT_CHOICES", "ALGORITHMS", "SMALL_BYTES",
+           "WINDOW_BYTES", "RING_BYTES", "SEGMENT_BYTES", "SMALL_VALUES"]
 
 # At or below this many bytes, "auto" is latency-bound and carries the data
 # with the header (not a transport: see ringtrain.comm.collectives): on the
@@ -39,15 +41,32 @@ SEGMENT_BYTES = 1 << 20
 # float64 values Transport.sum_small carries (the sharded step's metrics).
 SMALL_VALUES = 16
 
-# The user's choices (`--allreduce`); "shm" is the shared-memory window.
-ALGORITHMS = ("auto", "ring", "mpi", "hierarchical", "shm")
+# The user's choices (``transport=`` in the API, ``--allreduce`` on the command
+# line); "auto" is the size policy below, "shm" the shared-memory window.
+TRANSPORT_CHOICES = ("auto", "ring", "mpi", "hierarchical", "shm")
+ALGORITHMS = TRANSPORT_CHOICES  # the old name, kept for importers
+
+
+def transport_choice(transport, algorithm, who):
+    """The choice from ``transport=``, or from the deprecated ``algorithm=`` it replaces (pure, but warns).
+
+    Raises:
+        TypeError: when both are given and differ.
+    """
+    if algorithm is None:
+        return transport
+    warnings.warn(f"{who}: algorithm= is deprecated; use transport={algorithm!r}", DeprecationWarning,
+                  stacklevel=3)
+    if transport != "auto" and transport != algorithm:
+        raise TypeError(f"{who}: got transport={transport!r} and algorithm={algorithm!r}; pass transport= only")
+    return algorithm
 
 
 def choose_transport(algorithm, nbytes, one_host, gpu=False):
-    """The transport that serves a buffer of ``nbytes`` under ``algorithm`` (pure).
+    """The transport that serves a buffer of ``nbytes`` under the choice ``algorithm`` (pure).
 
     Args:
-        algorithm: one of :data:`ALGORITHMS`.
+        algorithm: one of :data:`TRANSPORT_CHOICES`.
         nbytes: the buffer's size.
         one_host: whether every rank of the communicator shares one host.
         gpu: whether the buffer is in GPU memory: the peer window is then
@@ -67,13 +86,15 @@ def choose_transport(algorithm, nbytes, one_host, gpu=False):
         return "shm" if one_host else None
     if algorithm in ("ring", "mpi", "hierarchical"):
         return algorithm
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    raise ValueError(f"unknown transport {algorithm!r}; choose one of {', '.join(TRANSPORT_CHOICES)}")
 
 
 def _on_gpu(algorithm, nbytes, one_host):
-    # The peer window on GPUs is CUDA IPC, at any size: device memory moves
-    # about 60x faster than the host staging the other transports need
-    # without a CUDA-aware MPI (179 against 3 GB/s on an H200 at 256 MiB).
+    # The peer window on GPUs is CUDA IPC, at any size. Without a CUDA-aware
+    # MPI every other transport stages through host memory: the old
+    # host-staged path moved 2.8-4.3 GB/s on an H200, where a CUDA IPC probe
+    # moved 179 GB/s at 256 MiB. (This transport's own figures come from
+    # scripts/gpu_acceptance.sh on a GPU; none ran it while it was written.)
     if algorithm in ("auto", "shm") and one_host:
         return "cuda-ipc"
     if algorithm == "shm":

@@ -7,7 +7,7 @@ been pushed, on a communication thread, while the main thread goes on with the
 rest of backward (NumPy's matmuls release the GIL, and so do mpi4py's MPI
 calls)::
 
-    reducer = Reducer(comm, {n: model.grads[n] for n in reversed(model.params)})
+    reducer = Reducer(comm, {n: model.grads[n] for n in reversed(model.params)}, hook=allreduce_hook("mean"))
     loss, grads, correct = model.loss_and_grad(x, y, on_grad=reducer.push)
     reducer.wait()      # every gradient now holds the mean over ranks
     ...
@@ -23,27 +23,37 @@ that order, so every rank makes the same collective calls in the same order.
 Each bucket goes through the same header-checked path as ``allreduce_many_``
 (:func:`ringtrain.comm.buckets.reduce_bucket`), so mismatched calls still raise
 on every rank, and the results are bitwise those of ``allreduce_many_`` over
-the same list, ``bucket_bytes``, ``op``, ``algorithm`` and ``compression``.
+the same list, ``bucket_bytes``, ``op``, ``transport`` and ``compression``
+(:func:`~ringtrain.comm.hooks.allreduce_hook` takes the three). How a bucket
+is reduced is a hook (:mod:`ringtrain.comm.hooks`), as in PyTorch DDP: the
+Reducer decides when, the hook how.
 
 The reductions run on a duplicate of ``comm`` (``Comm.Dup``), so they never
 match messages of collectives the main thread makes meanwhile. That needs
 ``MPI_THREAD_MULTIPLE``, which mpi4py asks for by default; with a lower
 thread level (or one rank) the reducer reduces each bucket synchronously in
 ``push``, with the same results.
+
+On a GPU the communication thread issues its kernels on a CUDA stream of its
+own, which waits on an event recorded after the bucket's gradients: backward
+goes on queueing kernels meanwhile, instead of the thread's work queueing
+behind them on the legacy default stream and the main thread blocking on
+the device at every bucket. A CuPy model's gradient buffer is reduced in
+place, as a NumPy one is.
 """
 
+
 import contextlib
+import functools
 import queue
 import threading
 
-import numpy as np
-
 from .. import backend
+from ..backend import contiguous_span
 from ..errors import UsageError
 from ..failure import agree
-from ..backend import contiguous_span
-from .buckets import check_list, pack, plan_buckets, reduce_bucket, travels_as_fp16, unpack
-from .collectives import NO_PROBLEM
+from .buckets import check_list, pack, plan_buckets, unpack
+from .hooks import GradBucket, allreduce_hook
 from .state import CommState, release
 
 __all__ = ["Reducer"]
@@ -52,16 +62,67 @@ __all__ = ["Reducer"]
 class _Bucket:
     """One bucket: its members' indices, and where its data is reduced."""
 
-    def __init__(self, indices, arrays, wire):
-        self.indices = indices
+    def __init__(self, index, indices, arrays):
+        self.index, self.indices = index, indices
         members = [arrays[i] for i in indices]
         self.span = contiguous_span(members)
-        self.total = sum(a.size for a in members)
         first = members[0]
         xp = backend.get_array_module(first)
-        # Its own buffers: the main thread packs bucket k + 1 while the thread reduces bucket k.
-        self.fused = self.span if self.span is not None else xp.empty(self.total, first.dtype)
-        self.wire = xp.empty(self.total, np.float16) if wire else None
+        # Its own buffer: the main thread packs bucket k + 1 while the thread reduces bucket k.
+        self.fused = self.span if self.span is not None else xp.empty(sum(a.size for a in members), first.dtype)
+        self.staging = None  # for a bucket planned in place but handed other arrays
+
+    def buffer_for(self, members, registered):
+        """``(flat, in_place)``: where this step's ``members`` are reduced, packed there unless in place."""
+        if self.span is not None and all(m is r for m, r in zip(members, registered)):
+            return self.fused, True
+        if self.span is None:
+            flat = self.fused
+        else:
+            if self.staging is None:
+                self.staging = backend.get_array_module(self.fused).empty_like(self.fused)
+            flat = self.staging
+        pack(members, flat)
+        return flat, False
+
+
+class _Worker:
+    """The communication thread: runs jobs in order, on a CUDA stream of its own where there is a GPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self.jobs, self.done = queue.SimpleQueue(), queue.SimpleQueue()
+        self.pending = 0
+        self.thread = threading.Thread(target=self._serve, name="ringtrain-reducer", daemon=True)
+        self.thread.start()
+
+    def submit(self, job, ready):
+        """Run ``job()`` once the device has done the work ``ready`` (an event, or None) marks."""
+        self.pending += 1
+        self.jobs.put((job, ready))
+
+    def drain(self):
+        """Wait for every submitted job."""
+        for _ in range(self.pending):
+            self.done.get()
+        self.pending = 0
+
+    def stop(self):
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _serve(self):
+        # CuPy's current device and stream are per thread: the gradients' device, a stream of its own.
+        backend.use_device(self.device)
+        with backend.side_stream(self.device):
+            while True:
+                item = self.jobs.get()
+                if item is None:
+                    return
+                job, ready = item
+                backend.wait_event(ready)  # ordered after backward on the device, not on the host
+                job()
+                self.done.put(True)
 
 
 class Reducer:
@@ -71,14 +132,12 @@ class Reducer:
         comm: communicator (duplicated; the constructor is collective).
         arrays: dict of name -> array (or a list, named by index), in the order
             :meth:`push` will deliver them. Arrays that are consecutive,
-            contiguous views of one NumPy buffer (such as a model's
-            ``grad_buffer``) are reduced in place, without copies.
+            contiguous views of one buffer (such as a model's
+            ``grad_buffer``, NumPy or CuPy) are reduced in place, without copies.
+        hook: ``hook(state, bucket)`` reduces one :class:`~ringtrain.comm.hooks.GradBucket`
+            (default :func:`~ringtrain.comm.hooks.allreduce_hook`: the mean, transport "auto").
         bucket_bytes: largest bucket (default
             :data:`~ringtrain.comm.buckets.DEFAULT_BUCKET_BYTES`).
-        op: ``"sum"``, ``"mean"``, ``"min"`` or ``"max"``.
-        compression: ``None`` or ``"fp16"`` (see
-            :func:`~ringtrain.comm.buckets.allreduce_many_`).
-        algorithm: ``"auto"``, ``"ring"``, ``"mpi"`` or ``"hierarchical"``.
         threaded: reduce on a communication thread (default: when MPI
             provides ``MPI_THREAD_MULTIPLE`` and there is more than one rank).
         trace: optional ``trace(k)`` returning a context manager around the
@@ -89,39 +148,29 @@ class Reducer:
         UsageError: on every rank, for arguments any rank cannot use.
     """
 
-    def __init__(self, comm, arrays, bucket_bytes=None, op="mean", compression=None, algorithm="auto",
-                 threaded=None, trace=None):
+    def __init__(self, comm, arrays, hook=None, bucket_bytes=None, threaded=None, trace=None):
         from mpi4py import MPI
 
+        self.hook = hook if hook is not None else allreduce_hook()
         if isinstance(arrays, dict):
             names, items = list(arrays), list(arrays.values())
         else:
             items = list(arrays)
             names = list(range(len(items)))
-        self.bucket_bytes, self.signature, problem = check_list(items, bucket_bytes, compression)
+        self.bucket_bytes, self.signature, problem = check_list(items, bucket_bytes,
+                                                                getattr(self.hook, "compression", None))
         agree(comm, f"Reducer: {problem[1]}" if problem[0] else None)
         self.comm = comm.Dup()
         self.state = CommState.of(self.comm)
-        self.op, self.algorithm, self.compression = op, algorithm, compression
         self.trace = trace
         self.names, self.arrays = names, items
-        self._device = backend.device_of(items[0]) if items else None
         self._index = {name: i for i, name in enumerate(names)}
-        size = self.state.size
-        self.buckets = [_Bucket(b, items, travels_as_fp16(np.dtype(items[b[0]].dtype), compression, size))
-                        for b in plan_buckets(items, self.bucket_bytes)]
-        self._bucket_of = [0] * len(items)
-        for k, bucket in enumerate(self.buckets):
-            for i in bucket.indices:
-                self._bucket_of[i] = k
+        self.buckets = [_Bucket(k, b, items) for k, b in enumerate(plan_buckets(items, self.bucket_bytes))]
+        self._bucket_of = {i: bucket for bucket in self.buckets for i in bucket.indices}
         if threaded is None:
-            threaded = size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self._jobs = self._done = self._thread = None
+            threaded = self.state.size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._worker = _Worker(backend.device_of(items[0]) if items else None) if threaded else None
         self._error = None
-        if threaded:
-            self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._serve, name="ringtrain-reducer", daemon=True)
-            self._thread.start()
         self._reset()
 
     def _reset(self):
@@ -129,7 +178,6 @@ class Reducer:
         self._pushed = [False] * len(self.arrays)
         self._missing = [len(b.indices) for b in self.buckets]
         self._next = 0  # the next bucket to start: strictly in order, the same on every rank
-        self._in_flight = 0
 
     def push(self, name, grad):
         """Hand over gradient ``name``, final for this step; may start its bucket's reduction.
@@ -150,11 +198,9 @@ class Reducer:
                              f"expected {registered.shape} and {registered.dtype}")
         self._pushed[i] = True
         self._current[i] = grad
-        k = self._bucket_of[i]
-        self._missing[k] -= 1
+        self._missing[self._bucket_of[i].index] -= 1
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
             self._start(self._next)
-            self._next += 1
 
     def wait(self):
         """Finish every bucket (collective); the pushed arrays then hold the results.
@@ -168,10 +214,8 @@ class Reducer:
         """
         while self._next < len(self.buckets):
             self._start(self._next)
-            self._next += 1
-        if self._thread is not None:
-            for _ in range(self._in_flight):
-                self._done.get()
+        if self._worker is not None:
+            self._worker.drain()
         error, self._error = self._error, None
         self._reset()
         if error is not None:
@@ -181,10 +225,9 @@ class Reducer:
         """Stop the communication thread and free the duplicate communicator (collective)."""
         if self.comm is None:
             return
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
         release(self.comm)  # its plans' persistent requests first, so the free is immediate
         self.comm = None
 
@@ -197,53 +240,31 @@ class Reducer:
     def _start(self, k):
         if self.comm is None:
             raise UsageError("Reducer: used after close()")
+        self._next = k + 1
         bucket = self.buckets[k]
         members = [self._current[i] for i in bucket.indices]
-        in_place = bucket.span is not None and all(m is self.arrays[i] for m, i in zip(members, bucket.indices))
-        if not in_place:
-            flat = bucket.fused if bucket.span is None else self._spare(bucket)
-            pack(members, flat)
-        else:
-            flat = bucket.fused
-        # CuPy: the gradient kernels must finish before another thread hands the memory to MPI.
-        backend.synchronize(flat)
-        job = (k, flat, bucket, members, in_place)
-        if self._thread is None:
-            self._reduce(job)
-            if self._error is not None:
-                error, self._error = self._error, None
-                self._reset()
-                raise error
-        else:
-            self._in_flight += 1
-            self._jobs.put(job)
+        flat, in_place = bucket.buffer_for(members, [self.arrays[i] for i in bucket.indices])
+        job = functools.partial(self._reduce, bucket, flat, None if in_place else members)
+        if self._worker is not None:
+            # Ordered after the gradients' kernels by an event, not a host sync (see the module docstring).
+            self._worker.submit(job, backend.record_event(flat))
+            return
+        job()
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._reset()
+            raise error
 
-    def _spare(self, bucket):
-        # A bucket planned in place but handed other arrays this step: stage it.
-        if not hasattr(bucket, "staging"):
-            bucket.staging = backend.get_array_module(bucket.fused).empty_like(bucket.fused)
-        return bucket.staging
-
-    def _reduce(self, job):
-        k, flat, bucket, members, in_place = job
+    def _reduce(self, bucket, flat, unpack_to):
         if self._error is not None:
             # An earlier bucket failed (on every rank alike, for the checked errors): skip the rest.
             return
         try:
-            with self.trace(k) if self.trace is not None else contextlib.nullcontext():
-                reduce_bucket(self.state, "Reducer", flat, bucket.wire, self.op, self.algorithm,
-                              len(self.arrays), self.signature, NO_PROBLEM)
-                if not in_place:
-                    unpack(flat, members)
+            with self.trace(bucket.index) if self.trace is not None else contextlib.nullcontext():
+                self.hook(self.state, GradBucket(bucket.index, flat, len(self.arrays), self.signature))
+                if unpack_to is not None:
+                    unpack(flat, unpack_to)
+                # The waiting thread reads the results on another stream: done on the device first.
+                backend.synchronize(flat)
         except BaseException as exc:  # noqa: BLE001 - handed to wait() on the main thread
             self._error = exc
-
-    def _serve(self):
-        # CuPy's current device is per thread: reduce on the device the gradients live on.
-        backend.use_device(self._device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            self._reduce(job)
-            self._done.put(True)

@@ -1,9 +1,9 @@
 """What ringtrain keeps on one communicator: its transports, buffers and small-call plans.
 
 A :class:`CommState` is cached on each communicator with MPI attribute
-caching (:meth:`CommState.of`): the recursive-doubling schedule, the send
-and receive buffers of the header exchange (:func:`ringtrain.comm.header.exchange`), the transports made so far
-(:meth:`CommState.transport_for`), reused staging buffers (the fusion
+caching (:meth:`CommState.of`): the recursive-doubling schedule, the mailbox
+of the header exchange (:class:`ringtrain.comm.exchange.Mailbox`), the transports made so far
+(:meth:`CommState.transport_for`, keyed by name and device), reused staging buffers (the fusion
 buffer, pinned host copies of GPU arrays) and the small-call plans of
 :mod:`ringtrain.comm.plans`. They grow to the largest size seen and are
 reused, so steady-state calls allocate nothing.
@@ -23,10 +23,9 @@ import weakref
 import numpy as np
 
 from .board import Board
-from .header import HEADER_BYTES
-from .policy import SMALL_BYTES, choose_transport
+from .exchange import Mailbox
 from .schedule import doubling_schedule
-from .transports import create_transport
+from .transports import open_transport, same_host
 
 __all__ = ["CommState", "state_of", "release"]
 
@@ -47,21 +46,9 @@ class CommState:
         self.cuda_aware = None  # asked on the first GPU array
         self._one_host = None   # asked on the first call that needs it (collective)
         self._board = False     # made on the first header exchange (collective); None across hosts
-        self._transports = {}
+        self._transports = {}   # (name, device) -> transport, or None where it cannot serve
         self._buffers = {}
-        capacity = HEADER_BYTES + SMALL_BYTES
-        self.send = np.empty(capacity, np.uint8)
-        self.recv = np.empty(capacity, np.uint8)
-        self.send_header = self.send[:HEADER_BYTES].view(np.int64)
-        self.recv_header = self.recv[:HEADER_BYTES].view(np.int64)
-        self.send_bytes, self.recv_bytes = memoryview(self.send), memoryview(self.recv)
-        self.header_only = [self.send[:HEADER_BYTES], MPI.BYTE]
-        self.heard = [self.recv, MPI.BYTE]
-        # Small calls are latency-bound: Python's own overhead is a large part
-        # of a 4 KiB call, so packed headers (ringtrain.comm.header.exchange)
-        # and buffer views are made once.
-        self.packed = {}
-        self._views = {}
+        self.mailbox = Mailbox(MPI)
         # Steady-state plans for small CPU calls (ringtrain.comm.plans.small_plan),
         # keyed on everything the header says; None where no plan applies.
         self.plans = {}
@@ -84,10 +71,7 @@ class CommState:
     def one_host(self):
         """Whether every rank of the communicator shares one host (collective on first use)."""
         if self._one_host is None:
-            MPI = self.MPI
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            self._one_host = bool(self.comm.allreduce(int(node.Get_size() == self.size), op=MPI.MIN))
-            node.Free()
+            self._one_host = same_host(self.comm)
         return self._one_host
 
     def board(self):
@@ -113,26 +97,20 @@ class CommState:
     def payload(self, dtype, count):
         """The view a small call's data goes in before :func:`ringtrain.comm.header.exchange`."""
         board = self.board()
-        return board.payload(dtype, count) if board is not None else self.views(dtype, count)[0]
+        return board.payload(dtype, count) if board is not None else self.mailbox.views(dtype, count)[0]
 
-    def transport_for(self, algorithm, nbytes, gpu=False):
-        """The transport the size policy picks for ``nbytes`` under ``algorithm``, made on first use.
+    def transport_for(self, choice, nbytes, device=None):
+        """The transport the size policy picks for ``nbytes`` under ``choice`` on ``device``, made on first use.
 
-        Collective on first use of a transport (and of :meth:`one_host`):
-        every rank reaches the same call with the same size and algorithm,
-        which the header exchange has just checked. None where ``algorithm``
-        cannot apply (``"shm"`` across hosts) or the transport cannot serve
-        this communicator (CUDA IPC where the ranks cannot map each other's
-        memory).
+        Through :func:`ringtrain.comm.transports.open_transport`, cached by
+        name and device. Collective on first use of a transport (and of
+        :meth:`one_host`): every rank reaches the same call with the same
+        size and choice, which the header exchange has just checked. None
+        where ``choice`` cannot apply (``"shm"`` across hosts) or the
+        transport cannot serve this communicator (CUDA IPC where the ranks
+        cannot map each other's memory).
         """
-        one_host = self.one_host() if algorithm in ("auto", "shm") else False
-        name = choose_transport(algorithm, nbytes, one_host, gpu)
-        if name is None:
-            return None
-        if name not in self._transports:
-            # None where it cannot serve this communicator (CUDA IPC refused): kept, not asked again.
-            self._transports[name] = create_transport(name, self.comm)
-        return self._transports[name]
+        return open_transport(choice, self.comm, nbytes, device, self.one_host, self._transports)
 
     def drop_plans(self):
         """Forget the small-call plans and free their persistent requests."""
@@ -176,19 +154,6 @@ class CommState:
                 buf = xp.empty(size, np.uint8)
             self._buffers[key] = buf
         return buf
-
-    def views(self, dtype, count):
-        """(payload, message spec, received payload) for ``count`` elements of ``dtype``, cached."""
-        key = (dtype, count)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) > 1024:
-                self._views.clear()
-            end = HEADER_BYTES + count * np.dtype(dtype).itemsize
-            views = self._views[key] = (self.send[HEADER_BYTES:end].view(dtype),
-                                        [self.send[:end], self.MPI.BYTE],
-                                        self.recv[HEADER_BYTES:end].view(dtype))
-        return views
 
 
 def state_of(comm):

@@ -132,9 +132,15 @@ class Suite:
 
     def __init__(self, device, comm):
         from .. import backend
+        from ..cluster.topology import TaskSpec
 
         self.device, self.comm = device, comm
         self.xp = backend.xp_for(device)
+        # Each rank on its own GPU where the host has several (local rank modulo
+        # the count), as the trainer does: else every rank, and gloo with it,
+        # would measure GPU 0, and "one GPU per rank" would be N ranks sharing one.
+        self.gpu = TaskSpec.from_mpi(comm).device if device == "gpu" else None
+        backend.use_device(self.gpu)
         self.baseline = "mpi" if device == "cpu" else "staged"
         self.copy_label = "memcpy (one core)" if device == "cpu" else "device-to-device copy"
         self._gloo = _gloo_group(comm) if device == "gpu" else None
@@ -146,8 +152,8 @@ class Suite:
         from ..comm import allreduce_
 
         comm = self.comm
-        ours = {"ring": lambda: allreduce_(x, "sum", comm, algorithm="ring"),
-                "auto": lambda: allreduce_(x, "sum", comm, algorithm="auto")}
+        ours = {"ring": lambda: allreduce_(x, "sum", comm, transport="ring"),
+                "auto": lambda: allreduce_(x, "sum", comm, transport="auto")}
         if self.device == "cpu":
             return {"mpi": lambda: comm.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM), **ours}
         host = np_empty_pinned_like(x)
@@ -220,6 +226,7 @@ def run(args):
 
         def reset(x=x):  # fresh values every iteration (untimed), so sums never run into inf
             x[...] = 1.0
+            _synchronize(x)  # the fill kernel must not run inside the timed region
 
         # Fewer iterations for big messages: about 2 GiB moved per contestant.
         iters = max(3, min(args.iters, (2 << 30) // max(nbytes, 1)))

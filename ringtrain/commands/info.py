@@ -33,6 +33,7 @@ def run(args):
     comm = MPI.COMM_WORLD
     aware, why = cuda_aware()
     spec = TaskSpec.from_mpi(comm)
+    ipc = _cuda_ipc(comm, spec)
     specs = comm.gather(spec, root=0)
     if not spec.is_master:
         return 0
@@ -45,10 +46,36 @@ def run(args):
             "num_nodes": spec.num_nodes,
             "cuda_aware": aware,
             "cuda_aware_why": why,
+            "cuda_ipc": ipc,
             "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "hosts"} for s in specs],
         }, indent=2))
         return 0
     print(f"ringtrain: {spec.size} rank(s) on {spec.num_nodes} node(s); MPI: {library}")
     print(f"CUDA-aware MPI: {'yes' if aware else 'no'} ({why})")
+    if ipc is not None:
+        print(f"CUDA IPC among these ranks: {ipc}")
     print(table(specs))
     return 0
+
+
+def _cuda_ipc(comm, spec):
+    """"yes", or why CUDA IPC cannot serve ``comm``; None where a rank has no GPU (collective).
+
+    Where it fails, GPU allreduces fall to host speed: this is where a user
+    learns why (a container without a shared IPC namespace, MIG, no peer access).
+    """
+    from mpi4py import MPI
+
+    from ..comm.transports.cuda_ipc import CudaIpcTransport
+
+    if not comm.allreduce(int(spec.device is not None), op=MPI.MIN):
+        return None
+    if comm.Get_size() == 1:
+        return "yes (one rank: nothing to map)"
+    dup = comm.Dup()
+    transport, why = CudaIpcTransport.attempt(dup)
+    if transport is not None:
+        transport.close()
+    dup.Free()
+    return "yes" if transport is not None else why or "no: the ranks are on several hosts"
+

@@ -23,6 +23,7 @@ Example::
 """
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -123,9 +124,11 @@ def _title(run_dir, starts=()):
             raise ValueError
     except (UsageError, ValueError):  # the title is a nicety: a bad config.json only loses it
         return os.path.basename(os.path.normpath(run_dir)) + (f", {ranks}" if ranks else "")
-    model = cfg.get("model", "?")
-    if model == "mlp" and cfg.get("hidden"):
-        model += " " + "-".join(map(str, cfg["hidden"]))
+    model = cfg.get("model_name")  # what was trained, a custom or torch model included
+    if not isinstance(model, str):
+        model = str(cfg.get("model", "?"))
+        if model == "mlp" and isinstance(cfg.get("hidden"), list) and cfg["hidden"]:
+            model += " " + "-".join(map(str, cfg["hidden"]))
     return (f"{cfg.get('dataset', '?')}, {model}, batch {cfg.get('batch_size', '?')} per rank"
             + (f", {ranks}" if ranks else ""))
 
@@ -162,16 +165,18 @@ def draw(metrics, path, title=""):
         for i, step in enumerate(resumed):
             ax.axvline(step, color="gray", linestyle=":", linewidth=1, label="resumed" if i == 0 else None)
     for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "accuracy", "accuracy")):
-        if train:
-            ax.plot([r["step"] for r in train], [r[key] for r in train], color="tab:blue", label="train")
-        if evals:
-            ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", color="tab:orange",
-                    markersize=4, label="test")
+        # Only finite numbers are drawn: an empty test set has no accuracy, a record may be odd.
+        for rows, style, colour, name in ((train, "-", "tab:blue", "train"), (evals, "o-", "tab:orange", "test")):
+            points = [(r["step"], r[key]) for r in rows if _number(r.get(key))]
+            if points:
+                ax.plot(*zip(*points), style, color=colour, markersize=4, label=name)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
-    if len(train) + len(evals) and all(r["loss"] > 0 for r in train + evals):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    losses = [r.get("loss") for r in train + evals if _number(r.get("loss"))]
+    if losses and all(v > 0 for v in losses):
         loss_ax.set_yscale("log")
     acc_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     speeds = [(r["step"], r["samples_per_sec"]) for r in train
@@ -187,6 +192,10 @@ def draw(metrics, path, title=""):
     speed_ax.set_xlabel("step")
     speed_ax.grid(alpha=0.3)
     return _save(plt, fig, path, title, fig.suptitle)
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_trace(path):
@@ -263,6 +272,7 @@ def run(args):
     if spans is not None:
         rows, first = timeline_window(spans, 20 if args.from_step is None else args.from_step, args.steps)
         last = first + args.steps - 1
-        title = f"{_title(args.run_dir, metrics['starts'])}: " + (f"steps {first}-{last}" if last > first else f"step {first}")
+        window = f"steps {first}-{last}" if last > first else f"step {first}"
+        title = f"{_title(args.run_dir, metrics['starts'])}: {window}"
         print(draw_timeline(rows, os.path.join(out_dir, TIMELINE_FILENAME), title))
     return 0

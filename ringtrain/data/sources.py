@@ -50,6 +50,7 @@ import dataclasses
 import gzip
 import importlib.util
 import math
+import mmap
 import os
 import zipfile
 
@@ -59,7 +60,7 @@ from .sharding import complement_positions
 from ..errors import UsageError
 from ..io.safeio import MiB, human_bytes, one_line, open_regular, physical_memory
 
-__all__ = ["DATASETS", "MAX_CLASSES", "open_source", "read_rows", "synthetic_rows"]
+__all__ = ["DATASETS", "MAX_CLASSES", "open_source", "read_rows", "check_unchanged", "synthetic_rows"]
 
 DATASETS = ("digits", "mnist5k", "synthetic")
 """The built-in dataset names; anything else is read as a path."""
@@ -95,21 +96,29 @@ class _Source:
     num_features: int
     num_classes: object  # int, or None to infer from the labels
     image_shape: object = None  # (channels, height, width), or None for flat rows
+    mapped: tuple = ()  # ((path, identity), ...) of the files read through a memory map
 
 
 def read_rows(source, part, bounds):
     """Read one rank's rows of a part and check them; UsageError on bad input."""
     try:
+        check_unchanged(source)  # a file cut short under the map would be SIGBUS, not an error
         x, y, rows = part.read(*bounds)
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if _mapped(x):  # a copy, never a view of a map: the job must not depend on a file rewritten under it
+            x = x.copy()
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise UsageError(f"{source.label}: cannot read {part.xname}/{part.yname}: {_one_line(exc)}") from None
+    check_unchanged(source)
     where = f"{source.label}: "
     bad = ~np.isfinite(x).all(axis=1)
     if bad.any():
         raise UsageError(where + f"{part.xname} has a non-finite value (NaN, inf or beyond float32) "
                          f"in row {rows[bad.argmax()]}")
-    y = np.asarray(y)
+    if y.dtype.kind == "u" and y.size and int(y.max()) >= MAX_CLASSES:  # before int64 could wrap it negative
+        i = int(y.argmax())
+        raise UsageError(where + f"{part.yname} has label {int(y[i]):,} in row {rows[i]}; ringtrain supports at "
+                         f"most {MAX_CLASSES:,} classes, labels 0 to {MAX_CLASSES - 1:,} ({_WHY_CLASSES})")
     if y.dtype.kind == "f":
         whole = np.isfinite(y) & (y == np.floor(y))
         if not whole.all():
@@ -131,6 +140,14 @@ def read_rows(source, part, bounds):
         raise UsageError(where + f"{part.yname} has label {y[i]:,} in row {rows[i]}; ringtrain supports at most "
                          f"{MAX_CLASSES:,} classes, labels 0 to {MAX_CLASSES - 1:,} ({_WHY_CLASSES})")
     return x, y
+
+
+def _mapped(array):
+    while array is not None:
+        if isinstance(array, mmap.mmap):  # the base of every np.memmap
+            return True
+        array = getattr(array, "base", None)
+    return False
 
 
 def _one_line(exc):
@@ -293,8 +310,32 @@ def _npy_dir(path, seed, test_fraction, num_classes):
                                  f"optionally x_test.npy and y_test.npy)")
             continue
         arrays[key] = _map_npy(file)
-    return _from_arrays(path, arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
-                        seed, test_fraction, num_classes, names=("x.npy", "y.npy"))
+    source = _from_arrays(path, arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
+                          seed, test_fraction, num_classes, names=("x.npy", "y.npy"))
+    mapped = tuple((os.path.join(path, key + ".npy"), _identity(os.path.join(path, key + ".npy"))) for key in arrays)
+    return dataclasses.replace(source, mapped=mapped)
+
+
+def _identity(file):
+    """What changes when a file is rewritten: inode, size and modification time (None if it is gone)."""
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(source):
+    """Raise UsageError naming a memory-mapped file of ``source`` that was rewritten since it was opened.
+
+    Reading a mapped page of a file truncated under the job would end it
+    with SIGBUS and no word; :func:`read_rows` therefore copies a rank's
+    rows out of the map, and this check says which file changed meanwhile.
+    """
+    for file, identity in source.mapped:
+        if _identity(file) != identity:
+            raise UsageError(f"{file}: changed while this job was reading it (rewritten or replaced); "
+                             "start again once it is complete, and leave it alone while a job reads it")
 
 
 def _check_shapes(label, x, y, xname, yname):

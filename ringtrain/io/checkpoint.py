@@ -27,6 +27,7 @@ directory, so a crash at any moment leaves either the old set of checkpoints
 or the old set plus the new one, never a half-written ``ckpt-*.npz``.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -38,11 +39,15 @@ import zipfile
 import numpy as np
 
 from ..errors import UsageError
+from .rundir import create_new
 from .safeio import open_regular, physical_memory
 
 __all__ = [
     "CheckpointError",
+    "CheckpointTooNew",
     "CheckpointWarning",
+    "MAX_INFLATION",
+    "check_formats",
     "FORMAT",
     "FORMAT_VERSION",
     "checkpoint_name",
@@ -65,12 +70,25 @@ _PLAIN_KINDS = "biufcSU"
 _NAME_RE = re.compile(r"^ckpt-(\d+)\.npz$")
 _TEMP_RE = re.compile(r"^\.ckpt-\d+\.npz\.tmp-(\d+)$")
 _CHECKPOINT_DIR = "checkpoints"
+# A compressed checkpoint may inflate to this many times its size on disk
+# (model weights compress a little, never a hundredfold), or to this many
+# bytes, whichever is more (a small file of zeros is no bomb).
+MAX_INFLATION = 64
+_INFLATION_FLOOR = 64 << 20
 
 
 class CheckpointError(UsageError):
     """A checkpoint could not be written, or a file is not a whole checkpoint.
 
     The message is one line naming the file (or directory) and the problem.
+    """
+
+
+class CheckpointTooNew(CheckpointError):
+    """A checkpoint written by a newer ringtrain, in a format this one cannot read.
+
+    Never skipped: a resume that fell back past it would later prune or
+    overwrite it, losing the newest work. Refused, naming both versions.
     """
 
 
@@ -271,7 +289,10 @@ def _write_atomically(directory, final, arrays, meta):
     temp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(temp, "wb") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)  # a leftover of a dead process that had our pid, or a planted link
+        # O_EXCL | O_NOFOLLOW: never written through a symbolic link in the run directory.
+        with os.fdopen(create_new(temp), "wb") as f:
             _write_npz(f, arrays, meta)
             f.flush()
             os.fsync(f.fileno())
@@ -473,6 +494,8 @@ def _read_zip(path, fail):
         raise fail("not a ringtrain checkpoint (not an npz/zip file)")
     try:
         f.seek(0)
+        _check_declared_sizes(f, size)
+        f.seek(0)
         return _read_members(f)
     except _Damaged as exc:
         raise fail(f"not a ringtrain checkpoint: {exc}") from None
@@ -486,13 +509,61 @@ def _read_zip(path, fail):
         raise fail(f"damaged or truncated ({type(exc).__name__}: {_one_line(exc)})") from None
 
 
+def _check_declared_sizes(f, size):
+    """Check what each member says it holds before anything is inflated (raises _Damaged).
+
+    A deflated member can inflate a thousandfold (a "deflate bomb": half a
+    megabyte that asks for half a gigabyte), and a ``.npy`` header can claim
+    any shape. So each member's ``.npy`` header must account for exactly its
+    declared size, a stored member must be as big as it says, and a
+    compressed one may not inflate past :data:`MAX_INFLATION` times the file.
+    ringtrain writes its checkpoints uncompressed; other writers' compressed
+    ones within the bound still load.
+    """
+    inflated = 0
+    with zipfile.ZipFile(f) as zf:
+        for info in zf.infolist():
+            if info.compress_type == zipfile.ZIP_STORED:
+                if info.compress_size != info.file_size:
+                    raise _Damaged(f"member {info.filename!r} says it holds {info.file_size} bytes in "
+                                   f"{info.compress_size}")
+            elif info.compress_type == zipfile.ZIP_DEFLATED:
+                inflated += info.file_size
+            else:
+                raise _Damaged(f"member {info.filename!r} is compressed with method {info.compress_type}")
+            if inflated > max(_INFLATION_FLOOR, MAX_INFLATION * size):
+                raise _Damaged(f"its compressed members would inflate to more than {MAX_INFLATION} times the "
+                               "file's size (a deflate bomb?)")
+            with zf.open(info) as member:
+                _check_npy_header(member, info)
+
+
+def _check_npy_header(member, info):
+    version = np.lib.format.read_magic(member)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+    elif version in ((2, 0), (3, 0)):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    else:
+        raise _Damaged(f"member {info.filename!r} has .npy version {version}")
+    if dtype.hasobject:
+        raise ValueError("allow_pickle")  # named as pickled objects by the caller
+    count = 1
+    for n in shape:
+        count *= n
+    header = member.tell()
+    if header + count * dtype.itemsize != info.file_size:
+        raise _Damaged(f"member {info.filename!r} declares shape {tuple(shape)} of {dtype} "
+                       f"({count * dtype.itemsize} bytes) but holds {info.file_size - header}")
+
+
 def _parse_meta(meta_bytes, fail):
     """The metadata dict of a checkpoint, checked for ringtrain's format and a version this code reads."""
     if meta_bytes is None:
         raise fail(f"not a ringtrain checkpoint (no {META_KEY} member)")
     try:
         meta = json.loads(meta_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: JSON nested past any real use
         raise fail("damaged metadata (not valid UTF-8 JSON)") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise fail(f"not a ringtrain checkpoint ({META_KEY} has no format {FORMAT!r})")
@@ -500,11 +571,20 @@ def _parse_meta(meta_bytes, fail):
     if not isinstance(version, int) or isinstance(version, bool):
         raise fail("damaged metadata (format_version is not an integer)")
     if version > FORMAT_VERSION:
-        raise fail(
-            f"written in format version {version}; this ringtrain reads up to "
-            f"{FORMAT_VERSION}, so upgrade ringtrain"
-        )
+        raise CheckpointTooNew(str(fail(_too_new(version))))
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise fail(f"damaged metadata (step is {_kind_of(step)}, not a non-negative integer)")
     return meta
+
+
+def _too_new(version):
+    return (f"written in checkpoint format version {version}, and this ringtrain reads format version "
+            f"{FORMAT_VERSION} at most; upgrade ringtrain to read it (nothing was written)")
+
+
+def _kind_of(value):
+    return f"{type(value).__name__} {value!r}"[:60]
 
 
 def _warn_default(message):
@@ -528,6 +608,19 @@ def _peek_meta(path):
         return None
 
 
+def check_formats(directory):
+    """Refuse a directory holding a checkpoint of a newer format than this ringtrain reads.
+
+    Raises :class:`CheckpointTooNew` (one line naming the file and both
+    versions). Only each file's small metadata member is read; a file that
+    cannot be read at all is left to :func:`read_checkpoint` to name.
+    """
+    for path in list_checkpoints(directory):
+        version = (_peek_meta(path) or {}).get("format_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise CheckpointTooNew(f"checkpoint {path}: {_too_new(version)}")
+
+
 def latest_valid_checkpoint(directory, warn=None, accept=None):
     """Find the newest checkpoint in ``directory`` that verifies.
 
@@ -546,9 +639,14 @@ def latest_valid_checkpoint(directory, warn=None, accept=None):
 
     Returns:
         ``(path, arrays, metadata)``, or ``None`` when no checkpoint verifies.
+
+    Raises:
+        CheckpointTooNew: a checkpoint there is of a newer format (see
+            :func:`check_formats`), whatever its lineage.
     """
     warn = warn or _warn_default
     directory = os.fspath(directory)
+    check_formats(directory)
     for temp in _stale_temporaries(directory):
         warn(f"ignoring {temp}: a temporary file left by an interrupted save")
     paths = list_checkpoints(directory)
@@ -558,6 +656,8 @@ def latest_valid_checkpoint(directory, warn=None, accept=None):
     for index, path in enumerate(paths):
         try:
             arrays, meta = read_checkpoint(path)
+        except CheckpointTooNew:
+            raise  # never skipped, so never later pruned or overwritten
         except CheckpointError as exc:
             rest = "falling back to an older checkpoint" if index + 1 < len(paths) else (
                 "no older checkpoint to fall back to"

@@ -19,11 +19,13 @@ import errno
 import fcntl
 import os
 import stat
+import unicodedata
 
 from ..errors import UsageError
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "open_regular", "read_regular", "file_kind", "os_reason",
-           "one_line", "human_bytes", "physical_memory"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "open_regular", "open_regular_fd", "Unreadable", "read_regular", "file_kind",
+           "os_reason",
+           "one_line", "printable", "human_bytes", "physical_memory"]
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -83,6 +85,34 @@ def one_line(text, limit=300):
     return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
+# Control characters (an ESC starts a terminal escape sequence), lone
+# surrogates (a non-UTF-8 file name decoded by Python) and the bidirectional
+# overrides that make text read differently from what it is.
+_UNPRINTABLE = ("Cc", "Cs")
+_BIDI = {"\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"}
+
+
+def printable(text):
+    """``text`` safe to print on a terminal: control characters and the like written as escapes (pure).
+
+    An ESC from a config file or a file name must not reach the terminal,
+    where it could rewrite the screen or the window title; ``\\x1b[2J``
+    shows what was there instead. Tabs and newlines are escaped too: what
+    ringtrain prints is one line.
+    """
+    text = str(text)
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if unicodedata.category(ch) in _UNPRINTABLE or ch in _BIDI:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def physical_memory():
     """Bytes of physical memory on this machine, or None where the OS will not say."""
     try:
@@ -114,23 +144,52 @@ def open_regular(path, what=None, max_bytes=None, kind="files", error=UsageError
     path = os.fspath(path)
     label = f"{what} {path}" if what else path
     try:
+        fd = open_regular_fd(path, max_bytes)
+    except Unreadable as exc:
+        if exc.oserror is not None:
+            raise error(f"{label}: {os_reason(exc.oserror)}") from None
+        if exc.kind is not None:
+            raise error(f"{label}: is {exc.kind}, not a regular file") from None
+        raise error(f"{label}: is {human_bytes(exc.size)}; ringtrain reads {kind} of at most "
+                    f"{human_bytes(max_bytes)}") from None
+    return os.fdopen(fd, "rb")
+
+
+class Unreadable(Exception):
+    """Why :func:`open_regular_fd` refused a file: exactly one of ``oserror``, ``kind`` or ``size`` is set."""
+
+    def __init__(self, oserror=None, kind=None, size=None):
+        super().__init__(oserror or kind or size)
+        self.oserror, self.kind, self.size = oserror, kind, size
+
+
+def open_regular_fd(path, max_bytes=None):
+    """The safe open itself: a blocking read-only descriptor on a bounded regular file.
+
+    Each caller words the refusal its own way (:func:`open_regular`, the
+    launcher's hostfile reader); the checks are made here, once.
+
+    Raises:
+        Unreadable: the open failed (``oserror``), the file is not a regular
+            one (``kind``, in words), or it is over ``max_bytes`` (``size``).
+    """
+    try:
         # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
         # writer forever; O_NOCTTY: a terminal device never becomes ours.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise error(f"{label}: {os_reason(exc)}") from None
+        raise Unreadable(oserror=exc) from None
     try:
         st = os.fstat(fd)
         named = file_kind(st.st_mode)
         if named is not None:
-            raise error(f"{label}: is {named}, not a regular file")
+            raise Unreadable(kind=named)
         if max_bytes is not None and st.st_size > max_bytes:
-            raise error(f"{label}: is {human_bytes(st.st_size)}; ringtrain reads {kind} of at most "
-                        f"{human_bytes(max_bytes)}")
+            raise Unreadable(size=st.st_size)
         # Back to blocking reads: a regular file never blocks, and some
         # readers (zipfile, NumPy) do not expect EAGAIN.
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        return os.fdopen(fd, "rb")
+        return fd
     except BaseException:
         os.close(fd)
         raise

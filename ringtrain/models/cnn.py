@@ -16,6 +16,7 @@ Example::
 
 import numpy as np
 
+from ..backend import host_scalars
 from .base import FlatModel
 from .conv import ConvBlock, check_images, conv_geometry, conv_init
 from .layers import (BatchBuffers, activations, check_batch_size, check_labels, check_nonempty, dense_backward,
@@ -158,4 +159,5 @@ class CNN(FlatModel):
                 on_grad(f"{name}.weight", gw)
             if i > 0:  # the first block needs no gradient with respect to the images
                 g = blocks[i].input_grad(self.params[f"{name}.weight"])
-        return float(loss_sum) / n, self.grads, int(correct)
+        loss_sum, correct = host_scalars(loss_sum, correct)  # one wait for the device, not two
+        return loss_sum / n, self.grads, int(correct)

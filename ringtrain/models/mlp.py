@@ -8,6 +8,7 @@ Example::
 
 import numpy as np
 
+from ..backend import host_scalars
 from .base import FlatModel
 from .layers import (BatchBuffers, activations, check_batch_size, check_labels, check_nonempty, dense_backward,
                      dense_forward, dense_init, evaluate_in_chunks, xent_in_place)
@@ -87,4 +88,5 @@ class MLP(FlatModel):
         loss_sum, correct = xent_in_place(xp, logits, y, rows, grad_scale=1.0 / n)
         # logits now hold d(mean loss)/d(logits); the input layer needs no gradient with respect to x.
         dense_backward(xp, self.params, self.grads, logits, x, acts, deltas, on_grad)
-        return float(loss_sum) / n, self.grads, int(correct)
+        loss_sum, correct = host_scalars(loss_sum, correct)  # one wait for the device, not two
+        return loss_sum / n, self.grads, int(correct)

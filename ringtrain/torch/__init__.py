@@ -8,4 +8,43 @@
 from . import interop
 from .model import TorchModel
 
+# Horovod's basics: init, ranks, op constants, errors (import ringtrain.torch as hvd).
+from .errors import HorovodInternalError, HostsUpdatedInterrupt
+from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
+
+# Horovod's collectives: async ops on a background thread, matched across ranks by name.
+from .autograd import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_, grouped_allgather,
+                       grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter)
+from .handles import poll, synchronize
+from .ops_async import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, barrier,
+                        broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
+                        grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async)
+from .sparse import sparse_allreduce_async
+from .process_set_ops import add_process_set, remove_process_set
+from .process_sets import ProcessSet, global_process_set
+from .timeline import start_timeline, stop_timeline
+
+# Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
+from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
+
 __all__ = ["interop", "TorchModel"]
+__all__ += ["HorovodInternalError", "HostsUpdatedInterrupt", "Adasum", "Average", "Max", "Min", "Product", "Sum",
+            "ccl_built", "communicator", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+            "gloo_enabled", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
+            "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size"]
+__all__ += ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "broadcast_", "grouped_allgather",
+            "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter", "reducescatter", "poll", "synchronize",
+            "allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier", "broadcast_async",
+            "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_async", "grouped_allreduce_async_",
+            "grouped_reducescatter_async", "reducescatter_async", "join", "sparse_allreduce_async", "ProcessSet",
+            "add_process_set",
+            "global_process_set", "remove_process_set", "start_timeline", "stop_timeline"]
+
+__all__ += ["Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+            "DistributedOptimizer", "SyncBatchNorm"]

@@ -32,11 +32,12 @@ import numpy as np
 
 from .. import backend
 from ..comm import allreduce_, allreduce_many_, broadcast_
+from ..comm.state import state_of
 from ..comm.guard import collective
 from ..backend import contiguous_span
 
-__all__ = ["average_gradients_", "broadcast_parameters_", "bucket_view_", "gradient_arrays", "as_array",
-           "as_tensor"]
+__all__ = ["average_gradients_", "broadcast_parameters_", "broadcast_tensors_", "bucket_view_", "gradient_arrays",
+           "as_array", "as_tensor"]
 
 
 def as_array(tensor):
@@ -123,15 +124,30 @@ def _one_buffer(tensors):
 def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
     """Average the module's gradients across the ranks of ``comm``, in place; collective.
 
+    Gradients are matched by parameter, not by position in a list: ranks may
+    differ in which parameters received a gradient (a branch taken on one
+    rank only). A parameter with a gradient on some rank gets a zero gradient
+    where it has none, so the average counts every rank, as Horovod and DDP
+    do; a parameter with a gradient on no rank keeps ``grad = None``. Which
+    parameters have gradients costs one small exchange.
+
     Gradients laid out back to back (see :func:`bucket_view_`) go as one
     in-place allreduce; otherwise :func:`ringtrain.allreduce_many_` fuses
-    them. Parameters without a gradient are skipped, so every rank must
-    have gradients for the same parameters.
+    them.
 
     Returns:
         ``module``.
     """
-    tensors = _synchronized([p.grad for p in module.parameters() if p.grad is not None])
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    has = np.array([p.grad is not None for p in params], np.int32)
+    # Every rank must hold the same parameters: a different count is a mismatch on every rank.
+    allreduce_(has, op="max", comm=comm)
+    for p, anywhere in zip(params, has):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    tensors = _synchronized([p.grad for p, anywhere in zip(params, has) if anywhere])
     flat = _one_buffer(tensors) if tensors else None
     if flat is not None:
         allreduce_(flat, op=op, comm=comm)
@@ -142,7 +158,49 @@ def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
 
 @collective("broadcast_parameters_")
 def broadcast_parameters_(module, root=0, comm=None):
-    """Overwrite every parameter and buffer with ``root``'s, in place; collective."""
-    for tensor in _synchronized(list(module.parameters()) + list(module.buffers())):
-        broadcast_(as_array(tensor), root=root, comm=comm)
+    """Overwrite every parameter and buffer with ``root``'s, in place, whatever their dtypes; collective."""
+    broadcast_tensors_(list(module.parameters()) + list(module.buffers()), root=root, comm=comm)
     return module
+
+
+@collective("broadcast_tensors_")
+def broadcast_tensors_(tensors, root=0, comm=None):
+    """Overwrite each tensor with ``root``'s, in place, in one message; collective.
+
+    Any dtype (bool, uint8 and bfloat16 included) and any device: the
+    tensors' bytes are packed into one buffer of 64-bit words, each tensor at
+    a 16-byte boundary, and broadcast with :func:`ringtrain.broadcast_`,
+    whose header check makes ranks with a different total size raise instead
+    of hanging. Every rank must pass tensors of the same shapes and dtypes in
+    the same order.
+    """
+    import torch
+
+    tensors = _synchronized(list(tensors))
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        # 16-byte boundaries: every dtype (complex128 included) can be viewed in place at its offset.
+        total += -(-t.numel() * t.element_size() // 16) * 16
+    words = np.zeros(total // 8, np.int64)
+    raw = torch.from_numpy(words.view(np.uint8))
+    root_here = state_of(comm).rank == root
+    if root_here:
+        for t, start in zip(tensors, offsets):
+            source = _bytes(t.detach())
+            raw[start:start + source.numel()].copy_(source)
+    broadcast_(words, root=root, comm=comm)
+    if not root_here:
+        with torch.no_grad():
+            for t, start in zip(tensors, offsets):
+                count = t.numel() * t.element_size()
+                t.copy_(raw[start:start + count].view(t.dtype).reshape(t.shape))
+    return tensors
+
+
+def _bytes(tensor):
+    """A CPU uint8 view (or copy, from a GPU or a strided tensor) of ``tensor``'s bytes."""
+    import torch
+
+    flat = tensor.cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat

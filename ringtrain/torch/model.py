@@ -45,12 +45,12 @@ Example::
     result = ringtrain.train(ringtrain.TrainConfig(dataset="mnist5k"), model=model)
 """
 
-import functools
 import math
 
 import numpy as np
 
 from .. import backend
+from .feed import GradientFeed
 from .interop import as_array, as_tensor
 from ..models.base import FlatModel
 
@@ -114,10 +114,8 @@ class TorchModel(FlatModel):
                 self.params[name][...] = as_array(p.detach())
         self._bind()
         # Backward delivers gradients in the reverse of params (the flat layout's order), one run at a time.
-        self._reverse = list(reversed(self.params))
-        self._on_grad, self._ready, self._delivered = None, [False] * len(self._reverse), 0
-        for i, name in enumerate(self._reverse):
-            self._tensors[name].register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+        self._feed = GradientFeed([(name, self._tensors[name]) for name in reversed(self.params)],
+                                  lambda name: self.grads[name], self._synchronize)
 
     def __repr__(self):
         shape = f", input_shape={self.input_shape}" if self.input_shape else ""
@@ -168,42 +166,15 @@ class TorchModel(FlatModel):
         # Backward ADDS into a defined .grad in place: start from zero, keep the views.
         self.grad_buffer.fill(0)
         self.module.train()
-        self._on_grad, self._delivered = on_grad, 0
-        self._ready = [False] * len(self._reverse)
-        try:
+        with self._feed.delivering(on_grad):
             scores = self.module(xt)
             loss = self.loss(scores, yt)
             if loss.ndim != 0:
                 raise ValueError(f"the loss must be a scalar (the batch mean), got shape {tuple(loss.shape)}")
             loss.backward()
-            if on_grad is not None:
-                self._flush(len(self._reverse))
-        finally:
-            self._on_grad = None
         self._synchronize()
         correct = int((scores.detach().argmax(dim=1) == yt).sum())
         return float(loss.detach()), self.grads, correct
-
-    def _grad_ready(self, i, _param):
-        # Runs inside backward, once the gradient has been added to .grad.
-        if self._on_grad is None:
-            return
-        self._ready[i] = True
-        count = self._delivered
-        while count < len(self._ready) and self._ready[count]:
-            count += 1
-        self._flush(count)
-
-    def _flush(self, count):
-        """Deliver gradients ``[delivered, count)`` of the reverse order to ``on_grad``."""
-        if count <= self._delivered:
-            return
-        # On a GPU the consumers synchronise CuPy's stream, not torch's: the kernels that wrote these
-        # gradients must be done before MPI or a peer reads them.
-        self._synchronize()
-        for name in self._reverse[self._delivered:count]:
-            self._on_grad(name, self.grads[name])
-        self._delivered = count
 
     def _synchronize(self):
         if self.device.type == "cuda":

@@ -7,6 +7,7 @@ and nothing (not even the run directory) is written.
 """
 
 import dataclasses
+import json
 import math
 import os
 
@@ -264,6 +265,9 @@ def parse_ints(text, name="hidden"):
     else:
         items = [t for t in str(text).replace(" ", "").split(",") if t]
     try:
+        # From a file, each item must already be an integer: int(8.5) would silently make it 8.
+        if any(not isinstance(t, str) and not _is_int(t) for t in items):
+            raise ValueError
         return tuple(int(t) for t in items)
     except (TypeError, ValueError):
         raise UsageError(f"--{name.replace('_', '-')}: expected comma-separated integers like 128,64, got {text!r}",
@@ -302,15 +306,21 @@ def coerce(name, value, source):
     return value
 
 
-def load_config_file(path):
-    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file into a dict of settings.
+# Keys a run directory's config.json records beside the settings.
+RECORD_ONLY = ("model_name",)
 
-    Keys may be written with dashes or underscores. Raises a one-line UsageError
-    for a missing, unreadable or malformed file.
+
+def load_config_file(path):
+    """Read a TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON file into a dict of settings.
+
+    JSON is what a run directory's ``config.json`` holds: every setting of
+    that run, so ``--config RUN_DIR/config.json`` runs it again without
+    retyping a command line. Keys may be written with dashes or underscores.
+    Raises a one-line UsageError for a missing, unreadable or malformed file.
     """
     ext = os.path.splitext(path)[1].lower()
-    if ext not in (".toml", ".yaml", ".yml"):
-        raise UsageError(f"--config {path}: expected a .toml, .yaml or .yml file", everywhere=True)
+    if ext not in (".toml", ".yaml", ".yml", ".json"):
+        raise UsageError(f"--config {path}: expected a .toml, .yaml, .yml or .json file", everywhere=True)
     # A FIFO, a device or a directory is refused without blocking; so is a huge file.
     raw = read_regular(path, "--config", CONFIG_MAX_BYTES, "config files", error=_everywhere)
     try:
@@ -323,6 +333,8 @@ def load_config_file(path):
             import tomllib
 
             data = tomllib.loads(text)
+        elif ext == ".json":
+            data = json.loads(text)
         else:
             data = _load_yaml(text, path)
     except UsageError:
@@ -340,6 +352,8 @@ def load_config_file(path):
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in RECORD_ONLY and ext == ".json":  # a run directory's config.json: what was trained, not a setting
+            continue
         out[name] = coerce(name, value, f"--config {path}")
     return out
 
@@ -413,6 +427,7 @@ def validate(cfg, root=True):
         positive("max_time")
     if cfg.max_steps is not None:
         positive("max_steps")
+    _check_text(cfg, bad)
     if cfg.classes < 2:
         bad("classes", f"must be at least 2, got {cfg.classes}")
     if cfg.momentum >= 1:
@@ -426,6 +441,8 @@ def validate(cfg, root=True):
     if any(h <= 0 for h in cfg.hidden):
         bad("hidden", f"layer sizes must be > 0, got {','.join(map(str, cfg.hidden))}")
     _check_sizes(cfg, bad)
+    if int(cfg.bucket_mb * MiB) < 1:  # the bucket size the strategy takes, in whole bytes
+        bad("bucket_mb", f"must be at least 1 byte ({1 / MiB:.2g} MiB), got {cfg.bucket_mb:g}")
     if not 1 <= len(cfg.channels) <= 8 or not all(1 <= c <= 1024 for c in cfg.channels):
         bad("channels", f"expected 1 to 8 conv blocks of 1 to 1024 channels each, e.g. 16,32; "
                         f"got {','.join(map(str, cfg.channels)) or 'none'}")
@@ -438,6 +455,28 @@ def validate(cfg, root=True):
     if root:
         _check_root_paths(cfg, bad)
     return cfg
+
+
+def _check_text(cfg, bad):
+    """Every string setting must be text a JSON record can hold: a path that is not UTF-8 is refused up front.
+
+    Python hands a file name that is not UTF-8 over as lone surrogates; the
+    run would train, then fail at its first checkpoint, whose metadata is
+    JSON. Said now, it costs nothing.
+    """
+    for name in FIELDS:
+        value = getattr(cfg, name)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                shown = os.fsencode(value) if name in _PATHS else value.encode("utf-8", "backslashreplace")
+                bad(name, f"{shown!r} is not UTF-8 text; ringtrain records it in JSON, so rename it "
+                          "(or give another)")
+
+
+# The settings that name files or directories.
+_PATHS = ("dataset", "run_dir", "resume", "timeline")
 
 
 def _check_root_paths(cfg, bad):

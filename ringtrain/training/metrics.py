@@ -8,11 +8,16 @@ import time
 
 import numpy as np
 
-from .strategy import Slot
+from .strategy import Metric
 
-__all__ = ["Meter", "epoch_line"]
+__all__ = ["Meter", "epoch_line", "outcome_warnings", "EXPLODED", "CHANCE_MARGIN"]
 
-_SUMMED = [Slot.LOSS_SUM, Slot.CORRECT, Slot.SAMPLES]
+# A train loss this many times its first value has blown up, finite or not.
+EXPLODED = 10.0
+# Accuracy within this of 1/classes (in absolute terms) is guessing.
+CHANCE_MARGIN = 0.02
+
+_SUMMED = [Metric.LOSS_SUM, Metric.CORRECT, Metric.SAMPLES]
 
 
 class Meter:
@@ -25,7 +30,7 @@ class Meter:
         self.window_steps = 0
 
     def add(self, metrics):
-        """Count one step's metrics (a vector indexed by :class:`~ringtrain.training.strategy.Slot`)."""
+        """Count one step's metrics (a vector indexed by :class:`~ringtrain.training.strategy.Metric`)."""
         self.window += metrics[_SUMMED]
         self.epoch += metrics[_SUMMED]
         self.window_steps += 1
@@ -62,8 +67,32 @@ def epoch_line(epoch, epochs, sums, seconds, elapsed, last_eval):
     line = f"epoch {epoch}/{epochs}"
     if n:
         line += f"  loss {loss_sum / n:.4f}  accuracy {correct / n:.2%}"
-    if last_eval.get("epoch") == epoch:
+    if last_eval.get("epoch") == epoch and last_eval.get("accuracy") is not None:
         line += f"  test accuracy {last_eval['accuracy']:.2%}"
     if n and seconds > 0:
         line += f"  {n / seconds:,.0f} samples/s"
     return line + f"  ({elapsed:.1f}s)"
+
+
+def outcome_warnings(best_train, last_train, last_eval, classes):
+    """Lines that warn of a run that ended without learning, though nothing failed (pure).
+
+    A training loss that ended at :data:`EXPLODED` times its best (lowest)
+    has diverged even while it stays finite; an accuracy at chance (``1 /
+    classes``) means the model learned nothing. Either way the run's exit
+    status is still 0: the warning is what tells the user.
+    """
+    lines = []
+    best, last = (best_train or {}).get("loss"), (last_train or {}).get("loss")
+    if best is not None and last is not None and best > 0 and last >= EXPLODED * best:
+        lines.append(f"the training loss rose from {best:.4g} (step {best_train['step']}) to {last:.4g} (step "
+                     f"{last_train['step']}): training diverged; lower --lr and resume from an earlier checkpoint")
+    accuracy, source = (last_eval or {}).get("accuracy"), "test"
+    if accuracy is None:
+        accuracy, source = (last_train or {}).get("accuracy"), "training"
+    chance = 1.0 / classes if classes and classes > 1 else None
+    if chance is not None and accuracy is not None and (last_train or {}).get("step") and \
+            abs(accuracy - chance) <= CHANCE_MARGIN:
+        lines.append(f"{source} accuracy {accuracy:.2%} is chance for {classes} classes (1/{classes} = "
+                     f"{chance:.2%}): the model learned nothing; check the labels, --lr and the data")
+    return lines

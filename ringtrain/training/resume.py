@@ -31,10 +31,11 @@ import os
 import uuid
 
 from .. import backend
-from ..io.checkpoint import CheckpointError, latest_valid_checkpoint, read_checkpoint
+from ..io.checkpoint import CheckpointError, check_formats, latest_valid_checkpoint, read_checkpoint
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
 from ..failure import agree
+from ..io.rundir import write_json_atomic
 from ..io.safeio import KiB, read_regular
 from .config import flag_name, resume_differences
 
@@ -85,8 +86,6 @@ def read_lineage(run_dir, warn):
 
 def write_lineage(run_dir, lineage):
     """Record ``lineage`` as the run directory's current one (atomically; raises OSError)."""
-    from .runlog import write_json_atomic
-
     write_json_atomic(os.path.join(run_dir, LINEAGE_NAME), {"lineage": lineage.id, "parent": lineage.parent})
 
 
@@ -135,20 +134,53 @@ def _shown(value):
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+def _count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_meta(path, meta):
     config = meta.get("config")
-    fields = ("epoch", "step_in_epoch")
-    if not isinstance(config, dict) or not all(isinstance(meta.get(k), int) for k in fields):
+    if not isinstance(config, dict) or not all(_count(meta.get(k)) for k in ("epoch", "step_in_epoch")):
         raise UsageError(f"checkpoint {path} has no training metadata (config, epoch, step_in_epoch): it was not "
                          "written by ringtrain train; give another --resume PATH, or --resume none")
+    # Each is used as a number or a name: a crafted file gets one line, never a wrong step or a traceback.
+    kinds = {"nonfinite_streak": _count, "world_size": lambda v: _count(v) and v > 0,
+             "lineage": lambda v: isinstance(v, str)}
+    for key, ok in kinds.items():
+        if meta.get(key) is not None and not ok(meta[key]):
+            raise UsageError(f"checkpoint {path}: damaged metadata ({key} is {type(meta[key]).__name__} "
+                             f"{meta[key]!r:.40}); give another --resume PATH, or --resume none")
 
 
-def _check_settings(found, cfg, size, warn):
+def _same_data(path, meta, cfg, fingerprint):
+    """The checkpoint's settings with its dataset spelled as this run's, when they name the same data.
+
+    ``./d.npz`` and ``d.npz`` (or a path through a link) are one file:
+    compared as resolved paths, not strings. The same name with different
+    contents is refused: compared by the content fingerprint both record.
+    """
+    saved, recorded = dict(meta["config"]), meta.get("dataset")
+    if not isinstance(recorded, dict) or fingerprint is None:
+        if isinstance(saved.get("dataset"), str) and os.path.realpath(saved["dataset"]) == os.path.realpath(
+                cfg.dataset) and os.path.exists(cfg.dataset):
+            saved["dataset"] = cfg.dataset
+        return saved
+    if recorded.get("path") == fingerprint["path"] or saved.get("dataset") == cfg.dataset:
+        saved["dataset"] = cfg.dataset
+        then, now = recorded.get("sha256"), fingerprint["sha256"]
+        if isinstance(then, str) and then != now:
+            raise UsageError(f"--resume {cfg.resume}: cannot resume from {path}: --dataset {cfg.dataset} holds other "
+                             f"data than it was trained on (content sha256 {then[:12]}... then, {now[:12]}... now); "
+                             "give the data it was trained on, or --resume none to start afresh")
+    return saved
+
+
+def _check_settings(found, cfg, size, warn, fingerprint=None):
     """Refuse a checkpoint whose settings do not fit; return the notice line for those that changed, or None."""
     path, _, meta = found
     _check_meta(path, meta)
     auto = cfg.resume == "auto"
-    refused, changed = resume_differences(meta["config"], cfg)
+    refused, changed = resume_differences(_same_data(path, meta, cfg, fingerprint), cfg)
     if refused is not None:
         name, then, now, why = refused
         flag = flag_name(name)
@@ -180,17 +212,20 @@ def _check_fits(found, params):
                              "use --resume none or a matching --model/--hidden")
 
 
-def _find_on_root(comm, cfg, run_dir, params, log):
+def _find_on_root(comm, cfg, run_dir, params, log, fingerprint):
     found, problem, notice = None, None, None
     if comm.Get_rank() == 0:
         try:
+            # Whatever --resume says: a run that starts here must not later prune or overwrite a
+            # checkpoint a newer ringtrain wrote, so such a directory is refused.
+            check_formats(os.path.join(run_dir, "checkpoints"))
             found = find_checkpoint(cfg.resume, run_dir, log.warn)
             if found is not None:
                 # The recorded settings name a difference best ("trained with --hidden 8"); without
                 # them, a model that does not fit is still the clearer thing to say.
                 recorded = isinstance(found[2].get("config"), dict)
                 if recorded:
-                    notice = _check_settings(found, cfg, comm.Get_size(), log.warn)
+                    notice = _check_settings(found, cfg, comm.Get_size(), log.warn, fingerprint)
                 _check_fits(found, params)
                 if not recorded:
                     _check_meta(found[0], found[2])
@@ -213,7 +248,7 @@ def _lineage_for(cfg, run_dir, found, log):
     return Lineage.new(path)  # --resume PATH: a branch, whatever the directory held before
 
 
-def resume(comm, cfg, run_dir, params, opt, log, dog=None):
+def resume(comm, cfg, run_dir, params, opt, log, dog=None, fingerprint=None):
     """Rank 0 loads and checks a checkpoint, then every rank receives it (collective).
 
     Without a checkpoint, rank 0's initial parameters are broadcast so every
@@ -222,6 +257,8 @@ def resume(comm, cfg, run_dir, params, opt, log, dog=None):
     Args:
         dog: a :class:`ringtrain.watchdog.Watchdog` to watch the collectives
             (rank 0 may read a large checkpoint while the others wait).
+        fingerprint: rank 0's :func:`ringtrain.data.fingerprint.dataset_fingerprint`
+            of this run's data, compared with the checkpoint's.
 
     Returns:
         ``(position, lineage, path)``: the :class:`Position` to continue from
@@ -233,7 +270,7 @@ def resume(comm, cfg, run_dir, params, opt, log, dog=None):
         return dog.watch(f"start-up: resume {what}") if dog is not None else contextlib.nullcontext()
 
     with watched("agreement"):
-        found, notice = _find_on_root(comm, cfg, run_dir, params, log)
+        found, notice = _find_on_root(comm, cfg, run_dir, params, log, fingerprint)
     lineage = _lineage_for(cfg, run_dir, found, log) if comm.Get_rank() == 0 else None
     header = None
     if found is not None:

@@ -14,8 +14,9 @@ A step (:class:`ShardedStep`) is three collective phases:
 
 1. :meth:`~ShardedStep.reduce_gradients`: reduce-scatter the flat gradient
    buffer and divide this rank's chunk by N (the mean);
-2. :meth:`~ShardedStep.sum_small`: sum a few float64 values across ranks in
-   rank order: the trainer's step metrics, and a count of ranks whose chunk
+2. :meth:`~ShardedStep.sum_small`: sum a few float64 values across ranks,
+   the same on every rank (in rank order on the shared-memory window; in
+   MPI's order on the other transports): the trainer's step metrics, and a count of ranks whose chunk
    is not finite. No rank sees the whole gradient any more, so a step that
    must be skipped is agreed here, before any rank updates;
 3. :meth:`~ShardedStep.update` and :meth:`~ShardedStep.allgather`: update
@@ -25,7 +26,7 @@ A step (:class:`ShardedStep`) is three collective phases:
 The phases are a transport's (:mod:`ringtrain.comm.transports.base`), on a duplicate
 of the communicator, chosen by the same size policy as the allreduce
 (:func:`ringtrain.comm.policy.choose_transport`). So the result is bitwise
-that of the allreduce under the same ``algorithm`` (``op="mean"``) followed
+that of the allreduce under the same ``transport`` (``op="mean"``) followed
 by ``Optimizer.step``, by construction: the allreduce is the same
 transport's reduce-scatter and allgather, and the update is elementwise
 (tested at 1 to 4 ranks). Over MPI's own collectives it is equal to
@@ -42,13 +43,15 @@ of an unsharded run). Memory is not partitioned: for the models ringtrain
 trains, the time is what matters.
 """
 
+import warnings
+
 import numpy as np
 
 from .. import backend
 from ..comm.cuda_aware import cuda_aware
-from ..comm.policy import SMALL_VALUES, choose_transport
+from ..comm.policy import SMALL_VALUES, transport_choice
 from ..comm.state import release, state_of
-from ..comm.transports import create_transport
+from ..comm.transports import open_transport
 from ..models.base import flat_layout
 
 __all__ = ["ShardedStep", "shardable"]
@@ -83,40 +86,40 @@ class ShardedStep:
         self.start, self.stop = transport.owned(model.grad_buffer.size)
 
     @classmethod
-    def create(cls, model, opt, comm=None, algorithm="auto"):
+    def create(cls, model, opt, comm=None, transport="auto", algorithm=None):
         """A :class:`ShardedStep` for ``model`` and ``opt`` on ``comm``, or None where it does not apply.
 
         Collective over ``comm`` (default ``MPI.COMM_WORLD``); every rank
         gets the same answer. It applies where :func:`shardable` finds
-        nothing on any rank and the transport that ``algorithm`` picks for
-        the gradient has both phases. On one rank the phases do nothing and
-        :meth:`update` is the whole update, so the same loop runs at any size.
+        nothing on any rank and the transport that ``transport`` picks for
+        the gradient (:func:`ringtrain.comm.transports.open_transport`, as
+        the allreduce picks it) has both phases and, for GPU buffers, reads
+        device memory (CUDA IPC, or a CUDA-aware MPI). On one rank the phases
+        do nothing and :meth:`update` is the whole update, so the same loop
+        runs at any size. ``algorithm`` is the deprecated name of ``transport``.
         """
         from mpi4py import MPI
 
+        choice = transport_choice(transport, algorithm, "ShardedStep.create")
         comm = comm if comm is not None else MPI.COMM_WORLD
         if not comm.allreduce(int(shardable(model, opt) is None), op=MPI.MIN):
             return None
-        gbuf, size = model.grad_buffer, comm.Get_size()
-        gpu = backend.is_gpu_array(gbuf)
-        name = "local" if size == 1 else choose_transport(algorithm, gbuf.nbytes, state_of(comm).one_host(), gpu)
-        # On a GPU only CUDA IPC or a CUDA-aware MPI reads device memory; every rank must agree on which.
-        on_device = not gpu or name in ("local", "cuda-ipc") or comm.allreduce(int(cuda_aware()[0]), op=MPI.MIN)
-        if name is None or not on_device:
-            return None  # the allreduce stages through the host anyway
-        window = name in ("shm", "cuda-ipc")
-        options = {"shared_bytes": 2 * _aligned(gbuf.nbytes)} if window else {}
+        gbuf = model.grad_buffer
+        device = backend.device_of(gbuf)
         dup = comm.Dup()  # its own messages: never matched with another collective's
-        transport = create_transport(name, dup, **options)
-        if transport is None or not transport.two_phase:
-            if transport is not None:
-                transport.close()
-            dup.Free()
-            return None
-        if window:
-            # The buffers move into the window: peers read them where backward and the update write them.
-            model.rebind(transport.share(gbuf.size, gbuf.dtype), transport.share(gbuf.size, gbuf.dtype))
-        return cls(transport, dup, model, opt)
+        made = open_transport(choice, dup, gbuf.nbytes, device, state_of(comm).one_host,
+                              shared_bytes=2 * _aligned(gbuf.nbytes))
+        # On a GPU only CUDA IPC or a CUDA-aware MPI reads device memory; every rank must agree on which.
+        usable = made is not None and made.two_phase and (
+            device is None or made.on_device or comm.allreduce(int(cuda_aware()[0]), op=MPI.MIN))
+        if usable and made.name in ("shm", "cuda-ipc"):
+            usable = _move_into_window(made, model)
+        if not usable:
+            if made is not None:
+                made.close()
+            release(dup)
+            return None  # the allreduce serves (staged through the host on a GPU)
+        return cls(made, dup, model, opt)
 
     @property
     def kind(self):
@@ -138,7 +141,7 @@ class ShardedStep:
         return chunk
 
     def sum_small(self, values):
-        """Phase 2 (collective): sum the float64 array ``values`` across ranks, in place, in rank order."""
+        """Phase 2 (collective): sum the float64 array ``values`` across ranks, in place, the same on every rank."""
         if values.dtype != np.float64 or values.ndim != 1 or values.size > SMALL_VALUES:
             raise ValueError(f"sum_small takes at most {SMALL_VALUES} float64 values, got {values.dtype} "
                              f"{values.shape}")
@@ -167,6 +170,23 @@ class ShardedStep:
             self.model.rebind(xp.empty_like(self.model.param_buffer), xp.empty_like(self.model.grad_buffer))
         self.transport.close()
         release(self.comm)
+
+
+def _move_into_window(transport, model):
+    """Move the model's buffers into the window, where peers read them in place; False if it cannot (collective).
+
+    CUDA IPC maps two model-sized allocations here; where a rank cannot
+    (little memory left with many ranks on one GPU), every rank hears it and
+    the trainer falls back to the allreduce instead of dying.
+    """
+    gbuf = model.grad_buffer
+    try:
+        model.rebind(transport.share(gbuf.size, gbuf.dtype), transport.share(gbuf.size, gbuf.dtype))
+    except RuntimeError as exc:  # raised on every rank alike: the mapping's success is agreed collectively
+        if transport.rank == 0:
+            warnings.warn(f"the sharded step falls back to the allreduce: {exc}", RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _aligned(nbytes):

@@ -4,8 +4,8 @@ Ctrl-C (SIGINT), a scheduler's SIGTERM at the time limit, or the SIGUSR1
 that Slurm's ``--signal`` sends shortly before it, would otherwise kill
 each rank wherever it is: the work since the last checkpoint lost, MPI's
 shared memory left behind. While :func:`ringtrain.train` runs,
-:class:`StopSignals` only notes the signal; the rank's verdict rides in the
-next step's metrics sum (:data:`ringtrain.training.strategy.VERDICTS`), so a
+:class:`StopSignals` only notes the signal; the rank's stop request rides in the
+next step's metrics sum (:data:`ringtrain.training.strategy.STOP_REQUESTS`), so a
 signal that reached one rank alone (a ``kill`` of one PID) stops every rank
 after the same step. The trainer then writes its final checkpoint and
 returns, and ``ringtrain train`` exits with :data:`EXIT_STATUS`.
@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from ..cluster.signals import swapped_handlers
-from .strategy import VERDICTS, Slot
+from .strategy import STOP_REQUESTS, Metric
 
 __all__ = ["StopSignals", "EXIT_STATUS", "SIGNAL_NAMES", "STOP_SIGNALS", "stopped_line"]
 
@@ -34,7 +34,7 @@ __all__ = ["StopSignals", "EXIT_STATUS", "SIGNAL_NAMES", "STOP_SIGNALS", "stoppe
 EXIT_STATUS = {"sigint": 128 + signal.SIGINT, "sigterm": 128 + signal.SIGTERM, "sigusr1": 128 + signal.SIGUSR1}
 SIGNAL_NAMES = {"sigint": "SIGINT", "sigterm": "SIGTERM", "sigusr1": "SIGUSR1"}
 
-_SLOTS = {signal.SIGINT: Slot.SIGINT, signal.SIGTERM: Slot.SIGTERM, signal.SIGUSR1: Slot.SIGUSR1}
+_SLOTS = {signal.SIGINT: Metric.SIGINT, signal.SIGTERM: Metric.SIGTERM, signal.SIGUSR1: Metric.SIGUSR1}
 # The signals the trainer turns into a graceful stop.
 STOP_SIGNALS = tuple(_SLOTS)
 
@@ -77,19 +77,24 @@ class StopSignals:
             self.comm.Abort(code)  # peers may be waiting in a collective: MPI must end them
         os._exit(code)
 
-    def verdicts(self, clock_verdict=0.0):
-        """This rank's entries for the verdict slots: rank 0's clock verdict, then the signal caught."""
-        out = np.zeros(len(VERDICTS))
-        out[0] = clock_verdict
+    def requests(self, clock=0.0):
+        """This rank's entries for the stop requests: rank 0's clock, then the signal caught."""
+        out = np.zeros(len(STOP_REQUESTS))
+        out[0] = clock
         if self.caught is not None:
-            out[VERDICTS.index(_SLOTS[self.caught])] = 1.0
+            out[STOP_REQUESTS.index(_SLOTS[self.caught])] = 1.0
         return out
 
 
-def stopped_line(reason, step, checkpoint):
-    """The line ``ringtrain train`` prints when a signal stopped it (pure)."""
+def stopped_line(reason, step, checkpoint, resume_command=None):
+    """The line ``ringtrain train`` prints when a signal stopped it (pure).
+
+    ``resume_command``: the exact command that resumes, where running the
+    same command again would not (a run without ``--run-dir`` gets a new one).
+    """
     name = SIGNAL_NAMES[reason]
+    how = f"to resume: {resume_command}" if resume_command else "run the same command to resume"
     if checkpoint is None:
         return (f"ringtrain: stopped at step {step} ({name}); its checkpoint could not be written (see the warning "
-                "above); run the same command to resume from the last one written")
-    return f"ringtrain: stopped at step {step} ({name}); checkpoint {checkpoint}; run the same command to resume"
+                f"above); {how} from the last one written")
+    return f"ringtrain: stopped at step {step} ({name}); checkpoint {checkpoint}; {how}"

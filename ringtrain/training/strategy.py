@@ -15,10 +15,11 @@ so do these):
 says why in the line the trainer prints at start.
 
 Every step ends with one small sum of the step's metrics over the ranks
-(:class:`Slot` names its entries), which also carries the verdicts every rank
-must share: whether to stop (rank 0's clock, or a stop signal caught by any
-rank), and whether any rank's gradient was not finite. :func:`stop_reason`
-reads the verdict from the sums, so every rank reads the same one.
+(:class:`Metric` names its entries), which also carries what every rank
+must know alike: the requests to stop (rank 0's clock, or a stop signal
+caught by any rank), and whether any rank's gradient was not finite.
+:func:`stop_reason` reads the decision from the sums, so every rank reads
+the same one.
 
 Contract: :func:`choose_strategy`, :meth:`Strategy.step`,
 :meth:`Strategy.gather_state` and :meth:`Strategy.close` are collective;
@@ -31,15 +32,16 @@ import enum
 import numpy as np
 
 from ..comm.buckets import allreduce_many_, plan_buckets
+from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
 from ..models.base import flat_layout
 from .sharded import ShardedStep, shardable
 
-__all__ = ["Slot", "STOP_REASONS", "VERDICTS", "stop_reason", "fill_metrics", "Phases", "Strategy",
+__all__ = ["Metric", "STOP_REASONS", "STOP_REQUESTS", "stop_reason", "fill_metrics", "Phases", "Strategy",
            "AllreduceThenUpdate", "OverlappedAllreduce", "ShardedUpdate", "choose_strategy"]
 
 
-class Slot(enum.IntEnum):
+class Metric(enum.IntEnum):
     """The entries of the per-step metrics vector, summed over the ranks every step."""
 
     LOSS_SUM = 0   # loss x rows
@@ -57,31 +59,31 @@ class Slot(enum.IntEnum):
 
 STOP_REASONS = {1: "max_steps", 2: "max_time"}
 
-# The slots a rank's stop verdicts go in, in the order Strategy.step takes them.
-VERDICTS = (Slot.STOP, Slot.SIGINT, Slot.SIGTERM, Slot.SIGUSR1)
-_VERDICT_INDEX = np.array(VERDICTS)
+# The entries a rank's stop requests go in, in the order Strategy.step takes them.
+STOP_REQUESTS = (Metric.STOP, Metric.SIGINT, Metric.SIGTERM, Metric.SIGUSR1)
+_STOP_REQUEST_INDEX = np.array(STOP_REQUESTS)
 
 # Checked in this order: a Ctrl-C outranks the scheduler's warning.
-_SIGNAL_REASONS = ((Slot.SIGINT, "sigint"), (Slot.SIGTERM, "sigterm"), (Slot.SIGUSR1, "sigusr1"))
+_SIGNAL_REASONS = ((Metric.SIGINT, "sigint"), (Metric.SIGTERM, "sigterm"), (Metric.SIGUSR1, "sigusr1"))
 
 
 def stop_reason(metrics):
     """Why every rank stops after this step, or None to go on (pure).
 
-    Every rank holds the same sums, so every rank reads the same verdict and
+    Every rank holds the same sums, so every rank reads the same decision and
     stops at the same step.
     """
     for slot, reason in _SIGNAL_REASONS:
         if metrics[slot] > 0:
             return reason
-    return STOP_REASONS.get(int(metrics[Slot.STOP]))
+    return STOP_REASONS.get(int(metrics[Metric.STOP]))
 
 
-def fill_metrics(metrics, loss_sum, correct, rows, verdicts, nonfinite):
+def fill_metrics(metrics, loss_sum, correct, rows, stop_requests, nonfinite):
     """Write this rank's share of a step's metrics, ready to be summed over the ranks."""
-    metrics[Slot.LOSS_SUM], metrics[Slot.CORRECT], metrics[Slot.SAMPLES] = loss_sum, correct, rows
-    metrics[Slot.NONFINITE] = nonfinite
-    metrics[_VERDICT_INDEX] = verdicts
+    metrics[Metric.LOSS_SUM], metrics[Metric.CORRECT], metrics[Metric.SAMPLES] = loss_sum, correct, rows
+    metrics[Metric.NONFINITE] = nonfinite
+    metrics[_STOP_REQUEST_INDEX] = stop_requests
 
 
 class Phases:
@@ -116,15 +118,15 @@ class Strategy:
 
     description = ""
 
-    def step(self, step, xb, yb, lr, verdicts, metrics):
-        """Train on one batch (collective); fill ``metrics`` (a float64 vector indexed by :class:`Slot`).
+    def step(self, step, xb, yb, lr, stop_requests, metrics):
+        """Train on one batch (collective); fill ``metrics`` (a float64 vector indexed by :class:`Metric`).
 
         Args:
             step: the global step number (for the timeline and the watchdog).
             xb, yb: this rank's batch.
             lr: the learning rate of this step.
-            verdicts: returns this rank's stop verdicts, one per slot of
-                :data:`VERDICTS` (zeros to go on); called once the step's work
+            stop_requests: returns this rank's stop requests, one per entry of
+                :data:`STOP_REQUESTS` (zeros to go on); called once the step's work
                 is done, just before the metrics sum, so a time limit counts
                 the step's own time and a signal that came meanwhile counts now.
             metrics: written with the step's sums over every rank.
@@ -151,15 +153,15 @@ class AllreduceThenUpdate(Strategy):
                             "then the whole update on every rank")
         self._slices = _bucket_slices(model, bucket_bytes)
 
-    def step(self, step, xb, yb, lr, verdicts, metrics):
+    def step(self, step, xb, yb, lr, stop_requests, metrics):
         with self.phases.local("forward+backward", step):
             loss, grads, correct = self.model.loss_and_grad(xb, yb)
         with self.phases.collective("allreduce", "gradient allreduce", step):
             allreduce_many_(self._slices or [grads[n] for n in reversed(grads)], op="mean", comm=self.comm,
-                            bucket_bytes=self.bucket_bytes, algorithm=self.algorithm, compression=self.compression)
-        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, verdicts, metrics)
+                            bucket_bytes=self.bucket_bytes, transport=self.algorithm, compression=self.compression)
+        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, stop_requests, metrics)
 
-    def _update_and_sum(self, step, grads, loss, correct, rows, lr, verdicts, metrics):
+    def _update_and_sum(self, step, grads, loss, correct, rows, lr, stop_requests, metrics):
         xp = self.opt.xp
         # The reduced gradients are bitwise equal on every rank, so this
         # decision is the same everywhere without another collective.
@@ -167,7 +169,7 @@ class AllreduceThenUpdate(Strategy):
         if finite:
             with self.phases.local("optimizer", step):
                 self.opt.step(self.model.params, grads, lr)
-        fill_metrics(metrics, loss * rows, correct, rows, verdicts(), 0.0)
+        fill_metrics(metrics, loss * rows, correct, rows, stop_requests(), 0.0)
         with self.phases.watched("metrics allreduce", step):
             self.comm.Allreduce(_in_place(), metrics)
         return finite
@@ -184,8 +186,8 @@ class OverlappedAllreduce(AllreduceThenUpdate):
         # a FlatModel's gradient buffer is reduced in place.
         grads = getattr(model, "grads", None) or {n: opt.xp.zeros_like(p) for n, p in params.items()}
         trace = self._bucket_span if phases.timeline.enabled else None
-        self.reducer = Reducer(comm, {n: grads[n] for n in reversed(params)}, bucket_bytes, op="mean",
-                               compression=compression, algorithm=algorithm, trace=trace)
+        hook = allreduce_hook("mean", algorithm, compression)
+        self.reducer = Reducer(comm, {n: grads[n] for n in reversed(params)}, hook, bucket_bytes, trace=trace)
         self.description = self.description.replace(")", f", overlapped in {len(self.reducer.buckets)} buckets)", 1)
         self._step = None
 
@@ -193,7 +195,7 @@ class OverlappedAllreduce(AllreduceThenUpdate):
         # Runs on the Reducer's communication thread: its own row in the timeline.
         return self.phases.timeline.span(f"allreduce bucket {k}", self._step, tid=1)
 
-    def step(self, step, xb, yb, lr, verdicts, metrics):
+    def step(self, step, xb, yb, lr, stop_requests, metrics):
         self._step = step
         pushed = set()
 
@@ -210,7 +212,7 @@ class OverlappedAllreduce(AllreduceThenUpdate):
                 if name not in pushed:
                     self.reducer.push(name, grads[name])
             self.reducer.wait()
-        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, verdicts, metrics)
+        return self._update_and_sum(step, grads, loss, correct, len(xb), lr, stop_requests, metrics)
 
     def close(self):
         self.reducer.close()
@@ -224,7 +226,7 @@ class ShardedUpdate(Strategy):
         self.xp = sharded.opt.xp
         self.description = f"sharded optimizer step (reduce-scatter, update, allgather) over {sharded.kind}"
 
-    def step(self, step, xb, yb, lr, verdicts, metrics):
+    def step(self, step, xb, yb, lr, stop_requests, metrics):
         sharded, phases = self.sharded, self.phases
         with phases.local("forward+backward", step):
             loss, _, correct = sharded.model.loss_and_grad(xb, yb)
@@ -233,10 +235,10 @@ class ShardedUpdate(Strategy):
         # Each rank holds only its chunk of the reduced gradient, so finiteness
         # is agreed in the metrics sum, before anyone updates.
         nonfinite = 0.0 if bool(self.xp.isfinite(chunk).all()) else 1.0
-        fill_metrics(metrics, loss * len(xb), correct, len(xb), verdicts(), nonfinite)
+        fill_metrics(metrics, loss * len(xb), correct, len(xb), stop_requests(), nonfinite)
         with phases.watched("metrics allreduce", step):
             sharded.sum_small(metrics)
-        if metrics[Slot.NONFINITE] > 0:
+        if metrics[Metric.NONFINITE] > 0:
             return False
         with phases.local("optimizer", step):
             sharded.update(lr)
@@ -282,7 +284,7 @@ def choose_strategy(cfg, model, opt, comm, phases):
 
 
 def _ruled_out_by_settings(cfg, size):
-    # Settings every rank shares, so every rank reaches the same verdict without
+    # Settings every rank shares, so every rank reaches the same choice without
     # talking. "" where the user chose the allreduce: nothing to explain.
     if size == 1:
         return "one rank has nothing to shard"

@@ -13,6 +13,8 @@ import json
 import os
 import time
 
+from ..io.rundir import create_new
+
 __all__ = ["Timeline", "THREAD_NAMES"]
 
 THREAD_NAMES = {0: "main", 1: "communication"}
@@ -60,10 +62,19 @@ class Timeline:
 
     @staticmethod
     def write(path, per_rank_events):
-        """Write the trace for every rank's events to ``path`` (JSON, replaced atomically)."""
+        """Write the trace for every rank's events to ``path`` (JSON, replaced atomically).
+
+        The temporary file is new (never written through a symbolic link) and
+        is removed if the write fails, a full disk included.
+        """
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump(Timeline.trace(per_rank_events), fh)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(create_new(tmp), "w") as fh:
+                json.dump(Timeline.trace(per_rank_events), fh)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise

@@ -7,7 +7,10 @@ one line. All inputs live in a fresh directory, and after each case that
 directory holds exactly what it held before.
 """
 
+import io
+import json
 import os
+import zipfile
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import pytest
 from mpirun import mpirun, run
 from refusals import assert_refused
 from ringtrain import backend
-from ringtrain.io.checkpoint import save_checkpoint
+from ringtrain.io.checkpoint import FORMAT, FORMAT_VERSION, save_checkpoint
 
 SMALL = ["--dataset", "synthetic", "--samples", "200", "--features", "4", "--classes", "3", "--hidden", "4",
          "--epochs", "1"]
@@ -41,7 +44,9 @@ def make_inputs(tmp):
     os.makedirs(tmp / "noy")
     np.save(tmp / "noy" / "x.npy", x)
     text("ok.toml", "epochs = 1\n")
-    text("bad.json", "{}\n")
+    text("bad.json", "{\"epochs\": \n")
+    text("bad.ini", "epochs = 1\n")
+    text("nested.json", "[" * 100_000 + "]" * 100_000)
     text("syntax.toml", "epochs = \n")
     text("unknown.toml", "epoch = 3\n")
     text("type.toml", 'epochs = "ten"\n')
@@ -66,6 +71,24 @@ def make_inputs(tmp):
     (tmp / "damaged.npz").write_bytes(bytes(data))
     os.unlink(damaged)
     os.rmdir(tmp / "ckpts")
+    text("fraction.toml", "hidden = [8.5]\n")
+    np.savez(tmp / "huge-label.npz", x=x, y=np.where(np.arange(10) == 6, np.uint64(2 ** 63), y.astype(np.uint64)))
+    # A run directory holding a checkpoint of a newer format, and a checkpoint whose step is a float.
+    (tmp / "newer" / "checkpoints").mkdir(parents=True)
+    crafted_checkpoint(tmp / "newer" / "checkpoints" / "ckpt-00000009.npz", format_version=FORMAT_VERSION + 1, step=9)
+    crafted_checkpoint(tmp / "float-step.npz", step=3.0)
+
+
+def crafted_checkpoint(path, **meta):
+    """A checkpoint-shaped file whose metadata says what a newer or hostile writer chose."""
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "sha256": "0" * 64, "epoch": 0, "step_in_epoch": 0,
+            "config": {}, **meta}
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, array in (("params/fc1.weight", np.zeros((4, 4), np.float32)),
+                            ("__meta__", np.frombuffer(json.dumps(meta).encode(), np.uint8))):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, array)
+            zf.writestr(name + ".npy", buf.getvalue())
 
 
 def train(*flags):
@@ -85,8 +108,10 @@ CASES = [
     ("lr-nan", train("--lr", "nan"), "--lr: must be a finite number, got nan"),
     ("momentum-one-and-a-half", train("--momentum", "1.5"), "--momentum: must be in [0, 1), got 1.5"),
     ("batch-size-not-int", train("--batch-size", "abc"), "argument --batch-size: invalid int value: 'abc'"),
-    ("optimizer-unknown", train("--optimizer", "rmsprop"), "--optimizer: unknown value 'rmsprop'; choose one of sgd, adam"),
-    ("nonfinite-unknown", train("--nonfinite", "ignore"), "--nonfinite: unknown value 'ignore'; choose one of skip, abort"),
+    ("optimizer-unknown", train("--optimizer", "rmsprop"),
+     "--optimizer: unknown value 'rmsprop'; choose one of sgd, adam"),
+    ("nonfinite-unknown", train("--nonfinite", "ignore"),
+     "--nonfinite: unknown value 'ignore'; choose one of skip, abort"),
     ("hidden-zero", train("--hidden", "0"), "--hidden: layer sizes must be > 0, got 0"),
     ("test-fraction", train("--test-fraction", "1.5"), "--test-fraction: must be between 0 and 1, got 1.5"),
     ("unknown-flag", train("--bogus"), "unrecognized arguments: --bogus"),
@@ -97,7 +122,9 @@ CASES = [
     ("device-gpu-without-one", train(*SMALL, "--device", "gpu"), "--device gpu needs a CUDA GPU"),
     # configuration files
     ("config-missing", train("--config", "{tmp}/nope.toml"), "--config {tmp}/nope.toml: no such file"),
-    ("config-json", train("--config", "{tmp}/bad.json"), "expected a .toml, .yaml or .yml file"),
+    ("config-ini", train("--config", "{tmp}/bad.ini"), "expected a .toml, .yaml, .yml or .json file"),
+    ("json-syntax", train("--config", "{tmp}/bad.json"), "bad.json: not valid JSON: "),
+    ("json-nested", train("--config", "{tmp}/nested.json"), "nested.json: not valid JSON: "),
     ("toml-syntax", train("--config", "{tmp}/syntax.toml"), "syntax.toml: not valid TOML: "),
     ("toml-unknown-key", train("--config", "{tmp}/unknown.toml"), "unknown setting 'epoch'"),
     ("toml-wrong-type", train("--config", "{tmp}/type.toml"), "setting 'epochs' must be int, got 'ten'"),
@@ -114,7 +141,8 @@ CASES = [
     ("hostfile-no-hosts", launch("{tmp}/comments.hosts"), "lists no hosts"),
     ("hostfile-too-few-slots", launch("{tmp}/one.hosts"), "-np 2 needs 2 slots but the hosts give 1"),
     ("launch-np-zero", launch(None, np_="0"), "number of processes must be at least 1, got 0"),
-    ("launch-mpirun-missing", launch(None, "--mpirun", "{tmp}/no-mpirun"), "--mpirun {tmp}/no-mpirun: no such executable file"),
+    ("launch-mpirun-missing", launch(None, "--mpirun", "{tmp}/no-mpirun"),
+     "--mpirun {tmp}/no-mpirun: no such executable file"),
     # dataset files
     ("data-nan", train("--dataset", "{tmp}/nan.npz"), "nan.npz: x has a non-finite value"),
     ("data-label-out-of-range", train("--dataset", "{tmp}/label.npz"), "label.npz: y has label -1 in row 6"),
@@ -136,10 +164,27 @@ CASES = [
     ("resume-missing", train(*SMALL, "--resume", "{tmp}/nope.npz"), "--resume: no checkpoint at"),
     ("resume-other-model", train(*SMALL, "--resume", "{tmp}/other-model.npz"), "does not fit this model"),
     ("resume-empty-dir", train(*SMALL, "--resume", "{tmp}/empty"), "no valid checkpoint there"),
+    # files a newer ringtrain, or an attacker, wrote
+    ("resume-newer-format", ["train", *SMALL, "--run-dir", "{tmp}/newer"],
+     f"written in checkpoint format version {FORMAT_VERSION + 1}, and this ringtrain reads format version "
+     f"{FORMAT_VERSION} at most"),
+    ("resume-none-beside-a-newer-format", ["train", *SMALL, "--run-dir", "{tmp}/newer", "--resume", "none"],
+     "upgrade ringtrain to read it (nothing was written)"),
+    ("resume-float-step", train(*SMALL, "--resume", "{tmp}/float-step.npz"),
+     "float-step.npz: damaged metadata (step is float 3.0, not a non-negative integer)"),
+    # values that used to pass and go wrong later
+    ("bucket-mb-below-a-byte", train(*SMALL, "--bucket-mb", "1e-7"), "--bucket-mb: must be at least 1 byte"),
+    ("hidden-fraction-in-a-file", train(*SMALL, "--config", "{tmp}/fraction.toml"),
+     "--hidden: expected comma-separated integers like 128,64, got [8.5]"),
+    ("run-dir-not-utf8", ["train", *SMALL, "--run-dir", "{tmp}/run-\udcff"], "is not UTF-8 text"),
+    ("dataset-not-utf8", train("--dataset", "{tmp}/d-\udcff.npz"), "--dataset: b'"),
+    ("label-beyond-int64", train("--dataset", "{tmp}/huge-label.npz"),
+     "huge-label.npz: y has label 9,223,372,036,854,775,808 in row 6"),
 ]
 
 MPI_CASES = ["data-nan", "toml-syntax", "resume-damaged-file", "run-dir-under-a-file", "device-gpu-without-one",
-             "batch-bigger-than-shard"]
+             "batch-bigger-than-shard", "resume-newer-format", "resume-float-step", "bucket-mb-below-a-byte",
+             "run-dir-not-utf8"]
 
 
 def check(tmp_path, args, needle, start):

@@ -177,18 +177,55 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
     assert all(np.isfinite(p).all() for p in final_params(run_dir).values())
 
 
-def test_nonfinite_steps_abort_after_max_nonfinite_in_a_row(tmp_path):
+def assert_diverged(result, step, why):
+    """Divergence: exit 4, one line from rank 0 with the step and the advice, no traceback, no NumPy warnings."""
+    assert result.returncode == 4, show(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ringtrain: error: training diverged at step {step} ({why})"), \
+        show(result)
+    assert "Traceback" not in result.stderr and "RuntimeWarning" not in result.stderr, show(result)
+    return lines[0]
+
+
+def test_nonfinite_steps_end_the_run_after_max_nonfinite_in_a_row(tmp_path):
     result, elapsed = timed(mpirun, 2, faulty("nan-from", 0, 7, "--max-nonfinite", "3",
                                               "--run-dir", str(tmp_path / "run")), timeout=60)
-    assert result.returncode != 0 and elapsed < 20, show(result)
-    assert "FloatingPointError: non-finite gradients at step 9 (3 steps in a row)" in result.stderr, show(result)
+    assert elapsed < 20, show(result)
+    line = assert_diverged(result, 9, "non-finite gradients, 3 steps in a row")
+    assert "no checkpoint of this run is good; start again with a lower learning rate" in line, line
     assert [e["step"] for e in events(tmp_path / "run", "nonfinite")] == [7, 8]
+    assert [e["step"] for e in events(tmp_path / "run", "diverged")] == [9]
 
 
 def test_nonfinite_abort_stops_at_the_first(tmp_path):
     result = mpirun(2, faulty("nan", 1, 7, "--nonfinite", "abort", "--run-dir", str(tmp_path / "run")), timeout=60)
-    assert result.returncode != 0, show(result)
-    assert "FloatingPointError: non-finite gradients at step 7; lower --lr" in result.stderr, show(result)
+    assert_diverged(result, 7, "non-finite gradients")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_diverging_run_keeps_its_last_good_checkpoint_and_says_how_to_resume(tmp_path, ranks):
+    # 14 or 20 steps an epoch: the gradients go non-finite from step 30 on,
+    # in the middle of the third epoch, with a checkpoint every 4 steps and
+    # --keep 1: the checkpoints during the streak must not be written, nor
+    # may they prune the last good one.
+    run_dir = tmp_path / "run"
+    flags = ["--checkpoint-every", "4", "--keep", "1", "--max-nonfinite", "6", "--epochs", "4",
+             "--run-dir", str(run_dir)]
+    result = mpirun(ranks, faulty("nan-from", ranks - 1, 30, *flags), timeout=60)
+    line = assert_diverged(result, 35, "non-finite gradients, 6 steps in a row")
+    good = list_checkpoints(run_dir / "checkpoints")
+    assert len(good) == 1, good
+    arrays, meta = read_checkpoint(good[0])
+    assert meta["step"] == 28 and meta["nonfinite_streak"] == 0, meta
+    assert all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f")
+    assert f"the last good checkpoint is {good[0]}" in line, line
+    assert f"--resume {good[0]} --lr 0.01" in line and f"--config {run_dir}/config.json" in line, line
+    assert [e["step"] for e in events(run_dir, "checkpoint_skipped")] == [32]
+    # The advice works: that command, a tenth of the learning rate, no fault, trains to the end.
+    resumed = mpirun(ranks, rt("train", "--config", str(run_dir / "config.json"), "--resume", good[0],
+                               "--lr", "0.01"), timeout=60)
+    assert resumed.returncode == 0, show(resumed)
+    assert f"resumed from {good[0]} at step {meta['step']}" in resumed.stdout, show(resumed)
 
 
 # --- damaged checkpoints ------------------------------------------------------

@@ -30,7 +30,8 @@ def test_per_rank_logs(tmp_path):
 
 
 def test_the_jobs_exit_status_comes_back():
-    code = "import os, sys; from ringtrain.cluster.rank_log import rank_from_env; sys.exit(3 if rank_from_env(os.environ) == 1 else 0)"
+    code = ("import os, sys; from ringtrain.cluster.rank_log import rank_from_env; "
+            "sys.exit(3 if rank_from_env(os.environ) == 1 else 0)")
     result = run(ringtrain("launch", "-np", "3", "--", sys.executable, "-c", code), timeout=60)
     assert result.returncode == 3, show(result)
 

@@ -116,7 +116,8 @@ def finish(proc, timeout):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+        raise AssertionError(
+            f"timed out after {timeout}s\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -52,7 +52,7 @@ def finish(proc, timeout=60):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+        raise AssertionError(f"timed out\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

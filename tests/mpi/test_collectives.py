@@ -44,7 +44,7 @@ def test_sum_matches_mpi_every_length(xp, dtype, algorithm):
     for n in LENGTHS:
         x = data(n, dtype)
         want = reference(x, "sum")
-        got = allreduce(xp.asarray(x), "sum", comm, algorithm=algorithm)
+        got = allreduce(xp.asarray(x), "sum", comm, transport=algorithm)
         if not (got.dtype == x.dtype and got.shape == x.shape and backend.get_array_module(got) is xp):
             failures.append((n, "type"))
         if not close(got, want, dtype):
@@ -65,7 +65,7 @@ def test_other_ops_match_mpi(xp, op, dtype):
                 continue
             x = data(n, dtype, seed=1)
             want = reference(x, op)
-            got = allreduce_(xp.asarray(x), op, comm, algorithm=algorithm)
+            got = allreduce_(xp.asarray(x), op, comm, transport=algorithm)
             exact = op in ("min", "max")
             if not (np.array_equal(backend.to_numpy(got), want) if exact else close(got, want, dtype)):
                 failures.append((n, algorithm))
@@ -80,11 +80,25 @@ def test_mean_on_integers_is_an_error_everywhere():
 
 
 @pytest.mark.mpi
-def test_unknown_op_and_algorithm_are_errors_everywhere():
+def test_unknown_op_and_transport_are_errors_everywhere():
     with pytest.raises(UsageError, match="unknown op 'avg'; choose one of sum, mean, min, max"):
         allreduce(np.ones(3), "avg", comm)
-    with pytest.raises(UsageError, match="unknown algorithm 'tree'"):
-        allreduce(np.ones(3), "sum", comm, algorithm="tree")
+    with pytest.raises(UsageError, match="unknown transport 'tree'"):
+        allreduce(np.ones(3), "sum", comm, transport="tree")
+
+
+@pytest.mark.mpi
+def test_algorithm_is_a_deprecated_name_for_transport():
+    x = data(100_003, np.float32, 3)
+    want = allreduce(x, "sum", comm, transport="ring")
+    with pytest.warns(DeprecationWarning, match="allreduce: algorithm= is deprecated; use transport='ring'"):
+        old = allreduce(x, "sum", comm, algorithm="ring")
+    inplace = x.copy()
+    with pytest.warns(DeprecationWarning, match="allreduce_: algorithm= is deprecated"):
+        allreduce_(inplace, "sum", comm, algorithm="ring")
+    with pytest.warns(DeprecationWarning, match="allreduce_many_: algorithm= is deprecated"):
+        many = allreduce_many_([x.copy()], "sum", comm, algorithm="ring")[0]
+    assert np.array_equal(old, want) and np.array_equal(inplace, want) and np.array_equal(many, want)
 
 
 @pytest.mark.mpi
@@ -136,8 +150,8 @@ def test_deterministic_and_identical_on_every_rank(xp):
     for algorithm in ALGORITHMS:
         for n in (1009, SMALL_BYTES // 2 + 11):
             x = data(n, np.float32, seed=7)
-            first = backend.to_numpy(allreduce(xp.asarray(x), "mean", comm, algorithm=algorithm))
-            second = backend.to_numpy(allreduce(xp.asarray(x), "mean", comm, algorithm=algorithm))
+            first = backend.to_numpy(allreduce(xp.asarray(x), "mean", comm, transport=algorithm))
+            second = backend.to_numpy(allreduce(xp.asarray(x), "mean", comm, transport=algorithm))
             verdicts.append((algorithm, n, first.tobytes() == second.tobytes(), same_everywhere(first)))
     assert all(a and b for _, _, a, b in verdicts), verdicts
 
@@ -206,8 +220,8 @@ def test_shared_memory_in_blocks_matches_mpi(dtype):
     n = HALF_BYTES // np.dtype(dtype).itemsize + 100_003
     x = data(n, dtype, seed=7)
     want = reference(x, "sum")
-    got = allreduce(x, "sum", comm, algorithm="shm")
-    again = allreduce(x, "sum", comm, algorithm="shm")
+    got = allreduce(x, "sum", comm, transport="shm")
+    again = allreduce(x, "sum", comm, transport="shm")
     everywhere = same_everywhere(got)
     assert close(got, want, dtype) and everywhere
     assert got.tobytes() == again.tobytes()
@@ -287,7 +301,7 @@ def test_arguments_that_cannot_be_sent_are_refused_everywhere():
     odd = rank == size - 1
     messages = [
         _usage_error(lambda: allreduce_(np.ones(4), ["sum"] if odd else "sum", comm)),
-        _usage_error(lambda: allreduce(np.ones(100_000), "sum", comm, algorithm={} if odd else "auto")),
+        _usage_error(lambda: allreduce(np.ones(100_000), "sum", comm, transport={} if odd else "auto")),
         _usage_error(lambda: broadcast_(np.ones(4), root=2 ** 70 if odd else 0, comm=comm)),
     ]
     after = allreduce(np.ones(5), "sum", comm)

@@ -77,7 +77,7 @@ def test_sharded_step_on_the_gpu_is_bitwise_the_allreduce_then_the_whole_step(cp
         x = cp.asarray(rng.standard_normal((6, 40)).astype(np.float32))
         y = cp.asarray(rng.integers(0, 4, 6))
         reference_model.loss_and_grad(x, y)
-        allreduce_(reference_model.grad_buffer, op="mean", comm=comm, algorithm="shm")
+        allreduce_(reference_model.grad_buffer, op="mean", comm=comm, transport="shm")
         ref_opt.step(reference_model.params, reference_model.grads, 0.1)
         model.loss_and_grad(x, y)
         sharded.reduce_gradients()

@@ -48,7 +48,7 @@ def test_sum_matches_mpi_and_is_identical_everywhere(grouped, dtype):
     for n in LENGTHS + ([SEGMENTED] if dtype == np.float32 else []):
         x = data(n, dtype)
         want = reference(x)
-        got = allreduce(x, "sum", grouped, algorithm="hierarchical")
+        got = allreduce(x, "sum", grouped, transport="hierarchical")
         if got.dtype != x.dtype or got.shape != x.shape:
             failures.append((n, "type"))
         if not np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol * 4 * size):
@@ -62,8 +62,8 @@ def test_sum_matches_mpi_and_is_identical_everywhere(grouped, dtype):
 def test_mean_in_place_on_a_2d_array_and_repeatable(grouped):
     x = data((SMALL_BYTES // 20 + 1) * 5, np.float32, seed=1).reshape(-1, 5)  # above the small-message path
     want = reference(x, "mean")
-    first = allreduce_(x.copy(), "mean", grouped, algorithm="hierarchical")
-    second = allreduce_(x.copy(), "mean", grouped, algorithm="hierarchical")
+    first = allreduce_(x.copy(), "mean", grouped, transport="hierarchical")
+    second = allreduce_(x.copy(), "mean", grouped, transport="hierarchical")
     identical = same_everywhere(first)
     assert first.shape == x.shape
     assert np.allclose(first, want, rtol=1e-5, atol=1e-5)
@@ -74,7 +74,7 @@ def test_mean_in_place_on_a_2d_array_and_repeatable(grouped):
 def test_fused_gradients_through_allreduce_many(grouped):
     arrays = [data(n, np.float32, seed=s) for s, n in enumerate([7, 3000, 70000])]
     wants = [reference(a, "mean") for a in arrays]
-    allreduce_many_(arrays, op="mean", comm=grouped, bucket_bytes=64 << 10, algorithm="hierarchical")
+    allreduce_many_(arrays, op="mean", comm=grouped, bucket_bytes=64 << 10, transport="hierarchical")
     identical = all(same_everywhere(a) for a in arrays)
     assert identical
     assert all(np.allclose(a, w, rtol=1e-5, atol=1e-5) for a, w in zip(arrays, wants))
@@ -110,7 +110,7 @@ def test_attached_grouping_makes_one_leader_per_host():
 def test_mismatched_lengths_raise_on_every_rank():
     x = np.ones(SMALL_BYTES + (rank == 1), np.float32)
     with pytest.raises(MismatchError, match="lengths"):
-        allreduce_(x, "sum", comm, algorithm="hierarchical")
+        allreduce_(x, "sum", comm, transport="hierarchical")
 
 
 def _host_sizes(grouping):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringtrain.comm import allreduce_many_
+from ringtrain.comm import allreduce_hook, allreduce_many_, fp16_compress_hook
 from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.errors import MismatchError, UsageError
 from ringtrain.models.registry import build_model
@@ -49,8 +49,9 @@ def test_reducer_matches_allreduce_many_bitwise_and_mpi(compression, threaded):
     want = allreduce_many_([a.copy() for a in inputs], "mean", comm, bucket_bytes=256, compression=compression)
     reference = mpi_mean(inputs)
     results = []
-    with Reducer(comm, views, bucket_bytes=256, compression=compression, threaded=threaded) as reducer:
-        for step in range(2):  # a second step reuses everything
+    hook = allreduce_hook("mean", compression=compression)
+    with Reducer(comm, views, hook, bucket_bytes=256, threaded=threaded) as reducer:
+        for _ in range(2):  # a second step reuses everything
             for name, a in zip(views, inputs):
                 views[name][...] = a
             for name in reversed(list(views)):  # out of order: buckets still start in order
@@ -98,7 +99,7 @@ def test_unknown_compression_is_an_error_everywhere():
     with pytest.raises(UsageError, match="unknown compression 'int8'"):
         allreduce_many_([np.ones(3)], "mean", comm, compression="int8")
     with pytest.raises(UsageError, match="unknown compression 'int8'"):
-        Reducer(comm, [np.ones(3)], compression="int8")
+        Reducer(comm, [np.ones(3)], hook=allreduce_hook(compression="int8"))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -116,3 +117,26 @@ def test_mismatched_buckets_raise_in_wait_on_every_rank():
         reducer2.close()
     assert "Reducer" in str(info.value)
     assert all(np.array_equal(a, np.ones_like(a)) for a in ones)
+
+
+@pytest.mark.mpi
+def test_one_hook_serves_two_reducers_and_custom_hooks_decide_how():
+    # A hook is a plain function: the same float16 hook for two reducers of
+    # different buckets, and a hook of our own that sums in place of the mean.
+    hook = fp16_compress_hook()
+    a = [np.full(300, rank + 1.0, np.float32), np.full(7, rank + 1.0, np.float32)]
+    b = [np.full(50, rank + 1.0, np.float32)]
+    calls = []
+
+    def summed(state, bucket):
+        calls.append(bucket.index)
+        allreduce_hook("sum")(state, bucket)
+
+    c = [np.full(9, rank + 1.0)]
+    with Reducer(comm, a, hook, bucket_bytes=64) as first, Reducer(comm, b, hook) as second, \
+            Reducer(comm, c, summed) as third:
+        for reducer in (first, second, third, first):
+            reducer.wait()
+    mean, total = (size + 1) / 2, size * (size + 1) / 2
+    assert all(np.array_equal(x, np.full_like(x, mean)) for x in a + b)  # a reduced twice: the mean stays
+    assert np.array_equal(c[0], np.full(9, total)) and calls == [0]

@@ -51,7 +51,7 @@ def test_sharded_step_is_bitwise_the_allreduce_then_the_whole_step(algorithm, na
     for step in range(5):
         x, y = batch(shape, step)
         reference.loss_and_grad(x, y)
-        allreduce_(reference.grad_buffer, op="mean", comm=comm, algorithm=algorithm)
+        allreduce_(reference.grad_buffer, op="mean", comm=comm, transport=algorithm)
         ref_opt.step(reference.params, reference.grads, 0.1)
         loss, _, correct = model.loss_and_grad(x, y)
         sharded.reduce_gradients()
@@ -129,3 +129,27 @@ def test_create_declines_where_the_step_cannot_be_sharded():
     assert hierarchical_kind == ("local" if size == 1 else "hierarchical")
     # Past the cap: the ring; "shm" forced takes any size; "mpi" forced; small on one host: shared memory.
     assert kinds == (["local"] * 4 if size == 1 else ["ring", "shm", "mpi", "shm"])
+
+
+@pytest.mark.mpi
+def test_a_window_that_cannot_take_the_buffers_falls_back_instead_of_dying(monkeypatch):
+    # CUDA IPC maps two model-sized allocations after the transport is made;
+    # where any rank cannot (every rank hears it: the mapping is agreed), the
+    # step must give way to the allreduce, not end the run. The same path on
+    # the CPU window, whose share() is made to fail on every rank.
+    from ringtrain.comm.transports.shm import WindowTransport
+
+    def refuse(self, n, dtype):
+        raise RuntimeError("CUDA IPC is unavailable (rank 1: OutOfMemoryError)")
+
+    monkeypatch.setattr(WindowTransport, "share", refuse)
+    model, opt = model_and_optimizer(SHAPES[1], "sgd", {})
+    before = model.param_buffer
+    made = ShardedStep.create(model, opt, comm, "shm")
+    x = np.full(5, rank + 1.0)
+    allreduce_(x, "sum", comm)  # the ranks are still in step
+    kind = made.kind if made is not None else None
+    if made is not None:
+        made.close()
+    assert (kind == "local") if size == 1 else (made is None and model.param_buffer is before)
+    assert np.array_equal(x, np.full(5, size * (size + 1) / 2))

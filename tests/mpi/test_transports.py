@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 from references import data, reference, same_everywhere
 
-from ringtrain.comm.transports import create_transport
-from ringtrain.comm.transports.shm import HALF_BYTES
+from ringtrain.comm.transports import create_transport, open_transport
+from ringtrain.comm.transports.shm import HALF_BYTES, WindowTransport
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -112,3 +112,24 @@ def test_window_results_do_not_depend_on_how_the_buffer_is_cut(cut):
         transport.allreduce(parts[:cut])
         transport.allreduce(parts[cut:])
     assert np.array_equal(whole, parts)
+
+
+@pytest.mark.mpi
+def test_host_and_device_transports_never_share_a_cache_slot():
+    # The GPU path once got the host's hierarchical transport from a cache
+    # keyed by name alone, and fed CuPy arrays to its NumPy-only window.
+    dup = comm.Dup()
+    cache = {}
+    host = open_transport("hierarchical", dup, 1 << 20, None, cache=cache)
+    device = open_transport("hierarchical", dup, 1 << 20, 0, cache=cache)
+    again = open_transport("hierarchical", dup, 1 << 20, None, cache=cache)
+    inner = [type(getattr(t, "local", t)).__name__ for t in (host, device)]
+    no_window = WindowTransport.create(dup, device=0)
+    for transport in (host, device):
+        transport.close()
+    dup.Free()
+    assert again is host and device is not host
+    assert set(cache) == {("hierarchical", None), ("hierarchical", 0)}
+    assert no_window is None
+    if size > 1:  # within the host: the window for host buffers; CUDA IPC (without a GPU, the ring) for device ones
+        assert inner[0] == "WindowTransport" and inner[1] in ("CudaIpcTransport", "RingTransport")

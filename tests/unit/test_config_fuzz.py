@@ -20,7 +20,8 @@ from ringtrain.errors import UsageError
 
 KEYS = st.one_of(st.sampled_from(sorted(FIELDS)), st.sampled_from([n.replace("_", "-") for n in FIELDS]),
                  st.sampled_from(["train", "epoch", "batch", "x", ""]), st.text(max_size=8))
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                    st.floats(allow_nan=False, allow_infinity=False),
                     st.text(max_size=12), st.sampled_from(["auto", "none", "mlp", "softmax", "skip", "sgd", "8,4"]))
 VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                        st.dictionaries(st.text(max_size=5), inner, max_size=3)),

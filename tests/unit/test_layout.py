@@ -26,7 +26,7 @@ MAX_CLASS_LINES = 150
 MAX_FUNCTION_LINES = 80
 # Classes being split this wave. Take a name out when its class is split:
 # from then on the test holds it to the limit like every other.
-SPLIT_PENDING = {"_Run", "RunLog", "TorchModel", "CommState", "Reducer", "WindowTransport"}
+SPLIT_PENDING = set()
 
 
 def _modules():

@@ -126,7 +126,8 @@ def test_load_state_dict_rejects_mismatches():
     opt = build_optimizer("sgd", make_params(), lr=0.1)
     state = opt.state_dict()
     with pytest.raises(ValueError, match=r"missing \['momentum/fc1.bias'\], unexpected \['momentum/fc9.bias'\]"):
-        opt.load_state_dict({"momentum/fc1.weight": state["momentum/fc1.weight"], "momentum/fc9.bias": state["momentum/fc1.bias"]})
+        opt.load_state_dict({"momentum/fc1.weight": state["momentum/fc1.weight"],
+                             "momentum/fc9.bias": state["momentum/fc1.bias"]})
     bad = dict(state, **{"momentum/fc1.bias": np.zeros(4)})
     with pytest.raises(ValueError, match=r"'momentum/fc1.bias' has shape \(4,\)"):
         opt.load_state_dict(bad)
@@ -263,3 +264,25 @@ def test_step_slice_needs_one_dtype_and_a_range_that_fits():
         flat.step_slice(np.zeros(4, np.float32), np.zeros(4, np.float32), 0.1, 13, 17)
     with pytest.raises(ValueError, match="name each parameter once"):
         build_optimizer("sgd", make_params(), lr=0.1, order=["fc1.bias"])
+
+
+@pytest.mark.parametrize("name, settings", [("sgd", dict(momentum=0.9, weight_decay=0.01, nesterov=True)),
+                                            ("sgd", dict(momentum=0.0)), ("adam", dict(weight_decay=0.05))])
+def test_a_flat_models_update_in_one_pass_is_bitwise_the_per_parameter_update(name, settings):
+    # A FlatModel's parameters and gradients are views of one buffer each: step()
+    # then updates the buffers in one pass (on a GPU a few kernels, not a few per
+    # parameter). The same parameters in separate arrays take the per-parameter path.
+    from ringtrain.models import build_model, flat_layout
+
+    model = build_model("mlp", 9, 3, hidden=(7, 5), seed=2)
+    order = flat_layout(model).order
+    loose = {n: p.copy() for n, p in model.params.items()}
+    flat_opt = build_optimizer(name, model.params, lr=0.1, order=order, **settings)
+    loose_opt = build_optimizer(name, loose, lr=0.1, order=order, **settings)
+    rng = np.random.default_rng(4)
+    for step in range(3):
+        model.grad_buffer[...] = rng.standard_normal(model.grad_buffer.size)
+        flat_opt.step(model.params, model.grads, 0.1 / (step + 1))
+        loose_opt.step(loose, {n: g.copy() for n, g in model.grads.items()}, 0.1 / (step + 1))
+    assert all(np.array_equal(model.params[n], loose[n]) for n in loose)
+    assert all(np.array_equal(a, b) for a, b in zip(flat_opt.state_dict().values(), loose_opt.state_dict().values()))

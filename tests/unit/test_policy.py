@@ -2,7 +2,7 @@
 
 import pytest
 
-from ringtrain.comm.policy import RING_BYTES, SMALL_BYTES, WINDOW_BYTES, choose_transport
+from ringtrain.comm.policy import RING_BYTES, SMALL_BYTES, WINDOW_BYTES, choose_transport, transport_choice
 from ringtrain.comm.schedule import chunk_bounds
 from ringtrain.comm.transports import TRANSPORTS, create_transport
 from ringtrain.comm.transports.shm import HALF_BYTES, ROUND_BYTES, piece_bounds, round_plan
@@ -42,7 +42,7 @@ def test_every_choice_is_a_registered_transport():
 def test_unknown_names_list_the_known_ones():
     from mpi4py import MPI
 
-    with pytest.raises(ValueError, match="unknown algorithm 'bogus'; choose one of auto, ring"):
+    with pytest.raises(ValueError, match="unknown transport 'bogus'; choose one of auto, ring"):
         choose_transport("bogus", 10, True)
     with pytest.raises(ValueError, match=r"unknown transport 'bogus'; choose one of .*mpi.*ring.*shm"):
         create_transport("bogus", MPI.COMM_SELF)
@@ -75,3 +75,20 @@ def test_two_level_spans_tile_the_buffer(n, local_size, hosts):
     spans = sorted(owned_span(n, local_size, chunk, hosts, h) for chunk in range(local_size) for h in range(hosts))
     assert spans[0][0] == 0 and spans[-1][1] == n
     assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+
+
+def test_transport_is_the_word_and_algorithm_a_deprecated_alias():
+    assert transport_choice("ring", None, "allreduce") == "ring"
+    with pytest.warns(DeprecationWarning, match="allreduce: algorithm= is deprecated; use transport='mpi'"):
+        assert transport_choice("auto", "mpi", "allreduce") == "mpi"
+    with pytest.raises(TypeError, match="got transport='ring' and algorithm='mpi'; pass transport= only"):
+        with pytest.warns(DeprecationWarning):
+            transport_choice("ring", "mpi", "allreduce")
+
+
+def test_a_device_never_gets_the_numpy_only_window():
+    # The window is host memory written with NumPy: GPU buffers on one host go to CUDA IPC instead.
+    for choice in ("auto", "shm"):
+        for nbytes in (SMALL_BYTES + 1, FITS, BIG):
+            assert choose_transport(choice, nbytes, one_host=True, gpu=True) == "cuda-ipc"
+    assert choose_transport("shm", FITS, one_host=True, gpu=False) == "shm"

@@ -50,5 +50,6 @@ def test_progress_prints_lines_on_its_clock():
         now[0] = step * 0.6  # 0.6 s a step: lines due at 5 s, 10 s
         progress.update(step, 0, step, loss_sum=2.0 * 8, samples=8)
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("epoch 1/2  step 9/50  loss 2.0000") and lines[0].endswith("13 samples/s  eta 54s")  # 91 steps left at 0.6 s
+    # 91 steps left at 0.6 s a step
+    assert lines[0].startswith("epoch 1/2  step 9/50  loss 2.0000") and lines[0].endswith("13 samples/s  eta 54s")
     assert len(lines) == 2

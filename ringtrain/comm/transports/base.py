@@ -42,6 +42,9 @@ class Transport:
 
     name = None
     two_phase = True
+    # True where device buffers never reach MPI (CUDA IPC, one rank): GPU
+    # arrays then go to the transport whether or not MPI is CUDA-aware.
+    on_device = False
 
     def __init__(self, comm):
         self.comm = comm
@@ -83,8 +86,12 @@ class Transport:
         return values
 
     @classmethod
-    def create(cls, comm, **options):
-        """Build the transport over ``comm`` (collective); None where it cannot serve ``comm``."""
+    def create(cls, comm, device=None, shared_bytes=0):
+        """Build the transport over ``comm`` (collective); None where it cannot serve ``comm``.
+
+        ``device``: None for host buffers, else the GPU index the buffers
+        live on; ``shared_bytes``: room for ``share()`` (the windows only).
+        """
         return cls(comm)
 
     def close(self):
@@ -95,6 +102,7 @@ class LocalTransport(Transport):
     """One rank: it owns every element, and every phase is nothing."""
 
     name = "local"
+    on_device = True
 
     def reduce_scatter(self, x, combine=np.add):
         pass

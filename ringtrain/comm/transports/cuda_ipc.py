@@ -1,10 +1,13 @@
 """The peer window on GPUs: ranks on one host map each other's device memory with CUDA IPC.
 
 Without a CUDA-aware MPI a CuPy allreduce is staged through pinned host
-memory and reduced on the CPU (about 3 GB/s on an H200). But ranks on one
-host can map each other's device allocations (``cudaIpcOpenMemHandle``) and
-reduce in place with CuPy kernels, at device-memory speed; NCCL refuses two
-ranks on one GPU, so where ranks share a GPU this is the only fast path.
+memory and reduced on the CPU (the old host-staged path moved 2.8-4.3 GB/s
+on an H200). But ranks on one host can map each other's device allocations
+(``cudaIpcOpenMemHandle``) and reduce in place with CuPy kernels, at
+device-memory speed (a 60-line CUDA IPC probe moved 179 GB/s on the same
+H200; this transport's own figures come from scripts/gpu_acceptance.sh);
+NCCL refuses two ranks on one GPU, so where ranks share a GPU this is the
+only fast path.
 
 :class:`CudaIpcTransport` is the CPU window's structure on device memory
 (:mod:`ringtrain.comm.transports.shm`), in one round:
@@ -34,8 +37,13 @@ This module needs CuPy and a GPU only when a transport is made; it imports
 CuPy through :mod:`ringtrain.backend` alone. Set-up is collective and every
 rank learns whether every rank could allocate and map: on any failure all
 of them unmap and go on without it (the collectives then stage through the
-host).
+host), and rank 0 warns once with every rank's reason, so a run that falls
+to host speed says why.
 """
+
+import atexit
+import warnings
+import weakref
 
 import numpy as np
 
@@ -44,7 +52,7 @@ from ...backend import address
 from .base import Transport
 from ..schedule import chunk_bounds
 
-__all__ = ["CudaIpcTransport"]
+__all__ = ["CudaIpcTransport", "describe_refusal"]
 
 _COMBINE_NAMES = {np.add: "add", np.minimum: "minimum", np.maximum: "maximum"}
 
@@ -65,8 +73,9 @@ class _Mapped:
         handles = comm.allgather(handle)
         if problem is None and all(h is not None for h in handles):
             problem = self._open(handles, rank, nbytes)
-        # Every rank learns whether every rank mapped every peer: all keep the mappings, or none does.
-        self.ok = not comm.allreduce(problem is not None or any(h is None for h in handles))
+        # Every rank learns every rank's problem: all keep the mappings, or none does, and all know why.
+        self.problems = comm.allgather(problem)
+        self.ok = not any(p is not None for p in self.problems)
         if not self.ok:
             self._unmap()
 
@@ -103,6 +112,7 @@ class CudaIpcTransport(Transport):
     """Reduce-scatter and allgather through CUDA IPC mappings; every rank on one host."""
 
     name = "cuda-ipc"
+    on_device = True
 
     def __init__(self, comm):
         super().__init__(comm)
@@ -114,20 +124,43 @@ class CudaIpcTransport(Transport):
         self._kernels = {}
 
     @classmethod
-    def create(cls, comm, shared_bytes=0):
-        """Collective; None unless every rank of ``comm`` shares one host and can map its peers' memory."""
+    def create(cls, comm, device=None, shared_bytes=0):
+        """Collective; None unless every rank of ``comm`` shares one host and can map its peers' memory.
+
+        Where every rank has a GPU but the mapping fails, rank 0 warns with
+        every rank's reason (the collectives then run at host speed).
+        """
+        transport, why = cls.attempt(comm)
+        if why is not None and comm.Get_rank() == 0:
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
+        return transport
+
+    @classmethod
+    def attempt(cls, comm):
+        """``(transport, None)``, or ``(None, why not)`` (collective; ``ringtrain info`` asks this too).
+
+        ``why`` is None where CUDA IPC does not apply at all: ranks on
+        several hosts, or a rank without a GPU.
+        """
         from mpi4py import MPI
 
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         usable = int(node.Get_size() == comm.Get_size() and backend.gpu_available())
         node.Free()
         if not comm.allreduce(usable, op=MPI.MIN):
-            return None
+            return None, None
         transport = cls(comm)
         if not transport._grow(1 << 20):
+            why = describe_refusal(transport._slots.problems)
             transport.close()
-            return None
-        return transport
+            return None, why
+        # A transport on COMM_WORLD is never closed by its communicator: peers
+        # would still map our memory when it is freed at exit (undefined
+        # behaviour, says cudaIpcOpenMemHandle's documentation). Every rank
+        # made its transports in the same order, so every rank closes them in
+        # the same order, collectively, before mpi4py finalizes MPI.
+        atexit.register(_close_at_exit, weakref.ref(transport))
+        return transport, None
 
     def share(self, n, dtype):
         """A 1-D CuPy array of ``n`` elements in this rank's own mapped memory (collective).
@@ -137,8 +170,8 @@ class CudaIpcTransport(Transport):
         """
         dtype = np.dtype(dtype)
         mapped = _Mapped(self.comm, n * dtype.itemsize)
-        if not mapped.ok:
-            raise RuntimeError("CUDA IPC: a rank could not map its peers' memory")
+        if not mapped.ok:  # on every rank alike
+            raise RuntimeError(describe_refusal(mapped.problems))
         self._shared.append(mapped)
         everyone = [view.view(dtype) for view in mapped.views]
         self._peers_of[address(everyone[self.rank])] = everyone
@@ -146,11 +179,14 @@ class CudaIpcTransport(Transport):
 
     def reduce_scatter(self, x, combine=np.add):
         peers = self._peers(x)
+        a, b = self.owned(x.size)
         if peers is None:
             peers = self._stage(x)
-            peers[self.rank][...] = x
+            # Peers read only their own chunks from my slot; mine the kernel reads from x itself.
+            peers[self.rank][:a] = x[:a]
+            peers[self.rank][b:] = x[b:]
+            peers = [x if r == self.rank else p for r, p in enumerate(peers)]
         self._sync(x)
-        a, b = self.owned(x.size)
         kernel = self._kernel(combine)
         kernel(*[p[a:b] for p in peers], x[a:b])
 
@@ -168,6 +204,7 @@ class CudaIpcTransport(Transport):
                 x[lo:hi] = peers[owner][lo:hi]
 
     def close(self):
+        """Unmap and free every allocation (collective; a second call does nothing)."""
         for mapped in self._shared:
             mapped.close()
         if self._slots is not None:
@@ -193,7 +230,7 @@ class CudaIpcTransport(Transport):
         if x.nbytes > self._half:
             # Every rank reaches this with the same length (the callers checked), so all grow together.
             if not self._grow(max(x.nbytes, 2 * self._half)):
-                raise RuntimeError("CUDA IPC: a rank could not map its peers' memory")
+                raise RuntimeError(describe_refusal(self._slots.problems))
         start = (self._units % 2) * self._half
         return [slot[start:start + x.nbytes].view(x.dtype) for slot in self._slots.views]
 
@@ -210,3 +247,19 @@ class CudaIpcTransport(Transport):
         if kernel is None:
             kernel = self._kernels[name] = backend.rank_order_kernel(self.size, name)
         return kernel
+
+
+def describe_refusal(problems):
+    """One line saying why CUDA IPC could not be set up, from every rank's problem (or None) (pure)."""
+    reasons = "; ".join(f"rank {rank}: {problem}" for rank, problem in enumerate(problems) if problem is not None)
+    return (f"CUDA IPC is unavailable ({reasons}); GPU allreduces stage through pinned host memory instead, "
+            "at host speed. Containers need a shared IPC namespace (docker --ipc=host); MIG and GPUs without "
+            "peer access cannot map each other's memory")
+
+
+def _close_at_exit(ref):
+    from mpi4py import MPI
+
+    transport = ref()
+    if transport is not None and transport._slots is not None and not MPI.Is_finalized():
+        transport.close()

@@ -71,7 +71,7 @@ def owned_span(n, local_size, local_chunk, hosts, cross_rank):
 
 
 class HierarchicalTransport(Transport):
-    """The two-level transport (``algorithm="hierarchical"``); see the module docstring.
+    """The two-level transport (``transport="hierarchical"``); see the module docstring.
 
     Made by :meth:`create`. With the same number of ranks on every host it
     has both phases (``two_phase``); otherwise only the leader-based allreduce.
@@ -86,18 +86,22 @@ class HierarchicalTransport(Transport):
         self._stages = {}
 
     @classmethod
-    def create(cls, comm, local="shm"):
+    def create(cls, comm, device=None, shared_bytes=0, local=None):
         """Collective over ``comm``: every rank gets the same kind of transport.
 
         Args:
             comm: the communicator; its :class:`Hierarchy` (which ranks share a
                 host) is made on first use, or the one attached to it.
-            local: the transport within each host: ``"shm"``, the window (the
-                pipelined ring where a "host" cannot share memory); a GPU
-                caller passes ``"cuda-ipc"``. The ring across hosts runs on
-                the array it is given, so device memory goes to MPI directly
-                when MPI is CUDA-aware.
+            device: None for host buffers, else the GPU they live on.
+            shared_bytes: unused (the within-host window keeps no shared arrays here).
+            local: the transport within each host: ``"shm"``, the window, for
+                host buffers and ``"cuda-ipc"`` for device buffers by default
+                (the window is NumPy-only); the pipelined ring where neither
+                can serve a "host". The ring across hosts runs on the array
+                it is given, so device memory goes to MPI directly when MPI
+                is CUDA-aware (:attr:`on_device` says when MPI sees none).
         """
+        local = local or ("shm" if device is None else "cuda-ipc")
         intra = Hierarchy.of(comm).intra
         sizes = comm.allgather(intra.Get_size())
         if min(sizes) != max(sizes):
@@ -114,6 +118,11 @@ class HierarchicalTransport(Transport):
         # closes them in the same order too, before mpi4py's own exit handler.
         atexit.register(_close_at_exit, weakref.ref(transport))
         return transport
+
+    @property
+    def on_device(self):
+        """True where device buffers never reach MPI: CUDA IPC within the host, and one host."""
+        return self.local is not None and self.local.on_device and self.across.Get_size() == 1
 
     def owned(self, n):
         if not self.two_phase:
@@ -262,7 +271,7 @@ def _free_hierarchy(comm, keyval, hierarchy):
 def hierarchical_reduce(comm, buf, combine, stages, segment):
     """Reduce the 1-D contiguous ``buf`` across ``comm`` in place, host by host.
 
-    The engine behind ``algorithm="hierarchical"`` in
+    The engine behind ``transport="hierarchical"`` in
     :mod:`ringtrain.comm.collectives`, with the signature of
     :func:`ringtrain.comm.transports.ring.ring_allreduce`. Collective: every rank of ``comm``
     must call it with the same length, dtype and ``combine``, in the same

@@ -42,7 +42,8 @@ from .base import Transport
 from ..policy import SMALL_VALUES, WINDOW_BYTES
 from ..schedule import chunk_bounds
 
-__all__ = ["WindowTransport", "HALF_BYTES", "ROUND_BYTES", "round_plan", "piece_bounds"]
+__all__ = ["WindowTransport", "HALF_BYTES", "ROUND_BYTES", "round_plan", "piece_bounds", "region_views",
+           "publish_others", "gather_piece", "sum_in_rank_order"]
 
 # Each half of a rank's slot stages one round. A buffer of up to HALF_BYTES
 # goes in one round; a larger one in rounds of ROUND_BYTES, so that what a
@@ -80,6 +81,59 @@ def _region_bytes(half_bytes, size):
     return (half_bytes - _TAIL_BYTES) // size // 64 * 64
 
 
+# -- one round's pieces, pure: every rank's slots are plain arrays here, so
+# a whole round among N "ranks" is tested without MPI (tests/unit/test_window_rounds.py).
+
+def region_views(slots, half, half_bytes, dtype):
+    """``[rank][owner]`` views of half ``half`` of every rank's slot: one region per owner (pure).
+
+    Rank ``r``'s region for owner ``o`` is where ``r`` publishes its values
+    of ``o``'s chunk (and, for ``o == r``, the reduced chunk itself).
+    """
+    size = len(slots)
+    width, base = _region_bytes(half_bytes, size), half * half_bytes
+    return [[slot[base + o * width: base + (o + 1) * width].view(dtype) for o in range(size)] for slot in slots]
+
+
+def publish_others(x, mine, bounds, k, piece, rank):
+    """Copy round ``k``'s piece of every chunk a peer owns from ``x`` into this rank's regions ``mine`` (pure)."""
+    for owner in range(len(mine)):
+        if owner != rank:
+            a, b = piece_bounds(bounds, owner, k, piece)
+            mine[owner][:b - a] = x[a:b]
+
+
+def gather_piece(x, regions, bounds, k, piece, rank):
+    """Copy round ``k``'s reduced piece of every other owner's chunk into ``x``, from the owner's region (pure)."""
+    for owner in range(len(regions)):
+        if owner != rank:
+            a, b = piece_bounds(bounds, owner, k, piece)
+            x[a:b] = regions[owner][owner][:b - a]
+
+
+def sum_in_rank_order(chunk, contribution, rank, size, combine, scratch=None):
+    """``chunk`` (this rank's own values) becomes rank 0's values combined with rank 1's, ..., in rank order (pure).
+
+    Every element is combined in the same order whoever owns it, so the
+    result does not depend on how the buffer is cut into chunks, pieces or
+    buckets: the allreduce of a gradient in buckets and the sharded step
+    over the whole buffer give the same bits at any rank count.
+    ``contribution(peer)`` is that peer's values for ``chunk``; ``scratch``,
+    an array like ``chunk`` that no peer reads, holds the running partial
+    of the ranks before this one (needed from rank 2 on).
+    """
+    if rank == 1:
+        combine(contribution(0), chunk, out=chunk)  # a + b is b + a, bitwise
+    elif rank > 1:
+        combine(contribution(0), contribution(1), out=scratch)
+        for peer in range(2, rank):
+            combine(scratch, contribution(peer), out=scratch)
+        combine(scratch, chunk, out=chunk)
+    for peer in range(rank + 1, size):
+        combine(chunk, contribution(peer), out=chunk)
+    return chunk
+
+
 class WindowTransport(Transport):
     """The reduce-scatter and allgather through a shared-memory window; every rank on one host.
 
@@ -87,14 +141,8 @@ class WindowTransport(Transport):
     slot, alternating, and writes its half before its sync and reads after:
     what it overwrites was last read two rounds back, before the sync of the
     round in between, which every rank has since passed. So no call needs a
-    closing barrier, and calls may come in any order.
-
-    Arrays made by :meth:`share` live in the window: when a phase is given
-    one, the peers read it in place. Each such array is written only by its
-    owner, and only where no peer reads it at the time: the sharded step
-    writes its gradients (backward) after the step's last sync, by which time
-    the peers have read them, and its parameter chunk (the update) after the
-    next reduce-scatter's sync, by which time the peers have copied it.
+    closing barrier, and calls may come in any order. Arrays made by
+    :meth:`share` live in the window, and the peers read them in place.
     """
 
     name = "shm"
@@ -106,15 +154,19 @@ class WindowTransport(Transport):
         self._base = 0
         self._regions = {}  # (dtype, half) -> [rank][owner] region views
         self._shared = {}   # address of this rank's shared array -> every rank's array
-        self._partial = None  # private scratch for the rank-order sum (see _sum_in_rank_order)
+        self._partial = None  # private scratch for the rank-order sum (see _sum)
         self._shared_used = 0
 
     @classmethod
-    def create(cls, comm, shared_bytes=0):
-        """Collective; None unless every rank of ``comm`` shares one host.
+    def create(cls, comm, device=None, shared_bytes=0):
+        """Collective; None unless every rank of ``comm`` shares one host, and for device buffers.
 
         ``shared_bytes``: room for :meth:`share` (each array 64-byte aligned).
+        The window is host memory written with NumPy: GPU buffers (``device``
+        not None) take CUDA IPC instead.
         """
+        if device is not None:
+            return None
         arena = SharedArena.create(comm, slot_bytes=2 * HALF_BYTES, extra_bytes=shared_bytes)
         return cls(arena) if arena is not None else None
 
@@ -122,7 +174,9 @@ class WindowTransport(Transport):
         """A 1-D array of ``n`` elements of ``dtype`` in this rank's part of the window (collective).
 
         Every rank must make the same calls; the peers then read the array in
-        place when it is handed to a phase.
+        place when it is handed to a phase. Only its owner writes it, where no
+        peer reads it at the time: the sharded step writes its gradients after
+        the step's last sync, its parameter chunk after the next reduce-scatter's.
         """
         dtype = np.dtype(dtype)
         start = self._shared_used
@@ -151,27 +205,28 @@ class WindowTransport(Transport):
         key = (np.dtype(dtype), half)
         regions = self._regions.get(key)
         if regions is None:
-            size, width = self.size, _region_bytes(self.arena.half, self.size)
-            base = half * self.arena.half
-            regions = self._regions[key] = [
-                [slot[base + o * width: base + (o + 1) * width].view(dtype) for o in range(size)]
-                for slot in self.arena.slots]
+            regions = self._regions[key] = region_views(self.arena.slots, half, self.arena.half, dtype)
         self._base = half * self.arena.half
         return regions
+
+    def _sum(self, chunk, contribution, combine):
+        # The running partial of the lower ranks' values is private: no peer may read it mid-sum.
+        if self.rank > 1 and (self._partial is None or self._partial.nbytes < chunk.nbytes):
+            self._partial = np.empty(chunk.nbytes, np.uint8)
+        scratch = self._partial[:chunk.nbytes].view(chunk.dtype) if self.rank > 1 else None
+        sum_in_rank_order(chunk, contribution, self.rank, self.size, combine, scratch)
 
     def reduce_scatter(self, x, combine=np.add):
         peers = self._peers(x)
         if peers is not None:
             self._next_half(x.dtype)
             self.arena.sync()
-            self._reduce_shared(x, peers, combine)
+            a, b = self.owned(x.size)
+            self._sum(x[a:b], lambda peer: peers[peer][a:b], combine)
             return
         bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
         for k in range(rounds):
-            regions = self._next_half(x.dtype)
-            self._publish_others(x, regions[self.rank], bounds, k, piece)
-            self.arena.sync()
-            self._reduce_piece(x, regions, bounds, k, piece, combine)
+            self._reduce_round(x, bounds, k, piece, combine)
 
     def allgather(self, x):
         peers = self._peers(x)
@@ -179,8 +234,9 @@ class WindowTransport(Transport):
         if peers is not None:
             self._next_half(x.dtype)
             self.arena.sync()
-            for owner in self._others():
-                x[bounds[owner]:bounds[owner + 1]] = peers[owner][bounds[owner]:bounds[owner + 1]]
+            for owner in range(self.size):
+                if owner != self.rank:
+                    x[bounds[owner]:bounds[owner + 1]] = peers[owner][bounds[owner]:bounds[owner + 1]]
             return
         bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
         for k in range(rounds):
@@ -188,23 +244,28 @@ class WindowTransport(Transport):
             a, b = piece_bounds(bounds, self.rank, k, piece)
             regions[self.rank][self.rank][:b - a] = x[a:b]
             self.arena.sync()
-            self._gather_piece(x, regions, bounds, k, piece)
+            gather_piece(x, regions, bounds, k, piece, self.rank)
 
     def allreduce(self, x, combine=np.add):
         if self._peers(x) is not None:
             return super().allreduce(x, combine)
         bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
         for k in range(rounds):
-            regions = self._next_half(x.dtype)
-            mine = regions[self.rank]
-            self._publish_others(x, mine, bounds, k, piece)
-            self.arena.sync()
-            a, b = self._reduce_piece(x, regions, bounds, k, piece, combine)
+            regions, (a, b) = self._reduce_round(x, bounds, k, piece, combine)
             # My own region of this half is free: the peers read only the regions of their chunks.
-            mine[self.rank][:b - a] = x[a:b]
+            regions[self.rank][self.rank][:b - a] = x[a:b]
             self.arena.sync()
-            self._gather_piece(x, regions, bounds, k, piece)
+            gather_piece(x, regions, bounds, k, piece, self.rank)
         return x
+
+    def _reduce_round(self, x, bounds, k, piece, combine):
+        """Publish round ``k``'s pieces of the peers' chunks, sync, reduce my own piece; ``(regions, my piece)``."""
+        regions = self._next_half(x.dtype)
+        publish_others(x, regions[self.rank], bounds, k, piece, self.rank)
+        self.arena.sync()
+        a, b = piece_bounds(bounds, self.rank, k, piece)
+        self._sum(x[a:b], lambda peer: regions[peer][self.rank][:b - a], combine)
+        return regions, (a, b)
 
     def sum_small(self, values):
         self._next_half(np.float64)
@@ -221,52 +282,3 @@ class WindowTransport(Transport):
         self.unshare()
         self._regions.clear()
         self.arena.free()
-
-    # -- one round's pieces -----------------------------------------------------
-    def _others(self):
-        return [r for r in range(self.size) if r != self.rank]
-
-    def _publish_others(self, x, mine, bounds, k, piece):
-        for owner in self._others():
-            a, b = piece_bounds(bounds, owner, k, piece)
-            mine[owner][:b - a] = x[a:b]
-
-    def _reduce_piece(self, x, regions, bounds, k, piece, combine):
-        a, b = piece_bounds(bounds, self.rank, k, piece)
-        self._sum_in_rank_order(x[a:b], lambda peer: regions[peer][self.rank][:b - a], combine)
-        return a, b
-
-    def _reduce_shared(self, x, peers, combine):
-        a, b = self.owned(x.size)
-        self._sum_in_rank_order(x[a:b], lambda peer: peers[peer][a:b], combine)
-
-    def _sum_in_rank_order(self, chunk, contribution, combine):
-        """``chunk`` (this rank's own values) becomes rank 0's values combined with rank 1's, ..., in rank order.
-
-        Every element is combined in the same order whoever owns it, so the
-        result does not depend on how the buffer is cut into chunks, pieces
-        or buckets: the allreduce of a gradient in buckets and the sharded
-        step over the whole buffer give the same bits at any rank count.
-        ``contribution(peer)`` is that peer's values for ``chunk``.
-        """
-        rank = self.rank
-        if rank == 1:
-            combine(contribution(0), chunk, out=chunk)  # a + b is b + a, bitwise
-        elif rank > 1:
-            partial = self._scratch(chunk)  # ranks 0..rank-1, before this rank's own values join
-            combine(contribution(0), contribution(1), out=partial)
-            for peer in range(2, rank):
-                combine(partial, contribution(peer), out=partial)
-            combine(partial, chunk, out=chunk)
-        for peer in range(rank + 1, self.size):
-            combine(chunk, contribution(peer), out=chunk)
-
-    def _scratch(self, like):
-        if self._partial is None or self._partial.nbytes < like.nbytes:
-            self._partial = np.empty(like.nbytes, np.uint8)
-        return self._partial[:like.nbytes].view(like.dtype)
-
-    def _gather_piece(self, x, regions, bounds, k, piece):
-        for owner in self._others():
-            a, b = piece_bounds(bounds, owner, k, piece)
-            x[a:b] = regions[owner][owner][:b - a]

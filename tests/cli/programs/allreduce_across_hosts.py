@@ -23,7 +23,7 @@ x = np.random.default_rng(comm.rank).standard_normal(n)
 reference = np.empty_like(x)
 comm.Allreduce(x, reference, op=MPI.SUM)
 algorithm = sys.argv[2] if len(sys.argv) > 2 else "ring"
-result = allreduce(x, op="sum", comm=comm, algorithm=algorithm)
+result = allreduce(x, op="sum", comm=comm, transport=algorithm)
 error = float(np.max(np.abs(result - reference)))
 report = {"rank": comm.rank, "host": socket.gethostname(), "error": error,
           "digest": hashlib.sha256(result.tobytes()).hexdigest()}

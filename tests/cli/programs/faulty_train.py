@@ -25,7 +25,8 @@ Steps count calls of ``loss_and_grad``, so STEP is the trainer's global step
 in a fresh run. Like the CLI, the whole run is under ``abort_on_error``; a
 user error agreed by every rank prints ``rank R: error: ...`` on every rank
 and exits 2. At the end every rank prints ``rank R digest <sha256>`` of its
-parameters; like the CLI, it exits 3 when the final checkpoint was not written.
+parameters; like the CLI, it exits 3 when the final checkpoint was not written,
+and 4 (one line from rank 0) when training diverged.
 """
 
 import errno
@@ -38,8 +39,9 @@ from mpi4py import MPI
 
 import ringtrain.io.checkpoint
 import ringtrain.training.loop
+import ringtrain.training.startup
 from ringtrain.cli import build_parser
-from ringtrain.commands.train import FINAL_CHECKPOINT_MISSING
+from ringtrain.commands.train import DIVERGED, FINAL_CHECKPOINT_MISSING
 from ringtrain.commands.train import config_from_args
 from ringtrain.errors import UsageError
 from ringtrain.failure import abort_on_error
@@ -91,16 +93,16 @@ def install(fault, at):
 
         ringtrain.io.checkpoint._write_npz = failing_write
     elif fault == "sleep-load":
-        load = ringtrain.training.loop.load_sharded
+        load = ringtrain.training.startup.load_sharded
 
         def slow_load(*args, **kwargs):
             time.sleep(120)
             return load(*args, **kwargs)
 
-        ringtrain.training.loop.load_sharded = slow_load
+        ringtrain.training.startup.load_sharded = slow_load
     elif fault != "none":
-        build = ringtrain.training.loop.build_model
-        ringtrain.training.loop.build_model = lambda *a, **kw: inject(build(*a, **kw), fault, at)
+        build = ringtrain.training.startup.build_model
+        ringtrain.training.startup.build_model = lambda *a, **kw: inject(build(*a, **kw), fault, at)
 
 
 def main(argv):
@@ -111,12 +113,19 @@ def main(argv):
             if comm.Get_rank() == rank:
                 install(fault, at)
             cfg = config_from_args(build_parser().parse_args(["train", *flags]))
-            result = ringtrain.training.loop.train(cfg, comm)
+            try:
+                result = ringtrain.training.loop.train(cfg, comm)
+            except ringtrain.training.loop.Diverged as exc:  # every rank at the same step, as the CLI takes it
+                if comm.Get_rank() == 0:
+                    print(f"ringtrain: error: {exc.advice}", file=sys.stderr, flush=True)
+                return DIVERGED
             # One write per line: print() writes the newline separately, and
             # ranks finishing together could interleave their lines.
             sys.stdout.write(f"rank {comm.Get_rank()} digest {params_digest(result.params)}\n")
             sys.stdout.flush()
             if result.checkpoint is None:
+                sys.stdout.write(f"rank {comm.Get_rank()} newest {result.newest_checkpoint}\n")
+                sys.stdout.flush()
                 return FINAL_CHECKPOINT_MISSING
     except UsageError as exc:
         print(f"rank {comm.Get_rank()}: error: {exc}", file=sys.stderr, flush=True)

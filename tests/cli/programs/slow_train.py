@@ -17,6 +17,7 @@ import time
 from mpi4py import MPI
 
 import ringtrain.training.loop
+import ringtrain.training.startup
 from ringtrain.cli import main
 
 
@@ -35,6 +36,6 @@ if __name__ == "__main__":
     seconds, flags = float(sys.argv[1]), sys.argv[2:]
     sys.stdout.write(f"rank {MPI.COMM_WORLD.Get_rank()} pid {os.getpid()}\n")
     sys.stdout.flush()
-    build = ringtrain.training.loop.build_model
-    ringtrain.training.loop.build_model = lambda *a, **kw: slowed(build(*a, **kw), seconds)
+    build = ringtrain.training.startup.build_model
+    ringtrain.training.startup.build_model = lambda *a, **kw: slowed(build(*a, **kw), seconds)
     sys.exit(main(["train", *flags]))

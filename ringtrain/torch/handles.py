@@ -1,0 +1,113 @@
+"""Handles: what an async op returns, for ``poll`` and ``synchronize``.
+
+A handle is an int, as in Horovod, naming a :class:`Pending` op in this
+process's table until :func:`synchronize` takes it out.
+"""
+
+import itertools
+import threading
+
+from .errors import HorovodInternalError
+
+__all__ = ["Pending", "GroupPending", "register", "poll", "synchronize", "outstanding"]
+
+_table = {}
+_counter = itertools.count(1)
+_lock = threading.Lock()
+
+
+class Pending:
+    """One submitted op's completion: set once by the background thread, with a result or an error."""
+
+    __slots__ = ("_done", "result", "error", "finish_fn")
+
+    def __init__(self, finish_fn=None):
+        self._done = threading.Event()
+        self.result = None
+        self.error = None
+        self.finish_fn = finish_fn  # runs on the caller's thread in synchronize (autograd, decompression)
+
+    def succeed(self, result):
+        self.result = result
+        self._done.set()
+
+    def fail(self, error):
+        self.error = error
+        self._done.set()
+
+    def done(self):
+        return self._done.is_set()
+
+    def wait(self):
+        # Waiting in slices keeps Ctrl-C working: a bare Event.wait() blocks signals.
+        while not self._done.wait(0.5):
+            pass
+
+
+class GroupPending:
+    """The completion of a grouped op: done when every member is; its result is the members' results."""
+
+    def __init__(self, members, finish_fn=None):
+        self.members = members
+        self.finish_fn = finish_fn
+
+    def done(self):
+        return all(m.done() for m in self.members)
+
+    def wait(self):
+        for m in self.members:
+            m.wait()
+
+    @property
+    def error(self):
+        return next((m.error for m in self.members if m.error is not None), None)
+
+    @property
+    def result(self):
+        return [m.result for m in self.members]
+
+
+def register(pending):
+    """Put ``pending`` in the table; return its handle."""
+    handle = next(_counter)
+    with _lock:
+        _table[handle] = pending
+    return handle
+
+
+def outstanding():
+    """How many handles have not been synchronized."""
+    return len(_table)
+
+
+def poll(handle):
+    """True when the op behind ``handle`` has finished, so :func:`synchronize` will not block."""
+    pending = _table.get(handle)
+    if pending is None:
+        raise ValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
+    return pending.done()
+
+
+def synchronize(handle):
+    """Wait for the op behind ``handle``; return its output (a tensor, or a tuple of tensors).
+
+    Raises the op's error (a :class:`HorovodInternalError`, or its subclass for
+    ranks that disagreed) if it failed. An unknown handle returns None, as in
+    Horovod.
+    """
+    with _lock:
+        pending = _table.get(handle)
+    if pending is None:
+        return None
+    try:
+        pending.wait()
+    finally:
+        with _lock:
+            _table.pop(handle, None)
+    if pending.error is not None:
+        error = pending.error
+        if not isinstance(error, RuntimeError):
+            error = HorovodInternalError(str(error))
+        raise error
+    result = pending.result
+    return pending.finish_fn(result) if pending.finish_fn is not None else result

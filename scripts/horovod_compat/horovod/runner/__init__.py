@@ -1,0 +1,1 @@
+"""``horovod.runner``: only what Horovod's tests import."""

