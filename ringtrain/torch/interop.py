@@ -163,6 +163,7 @@ def broadcast_parameters_(module, root=0, comm=None):
     return module
 
 
+@collective("broadcast_tensors_")
 def broadcast_tensors_(tensors, root=0, comm=None):
     """Overwrite each tensor with ``root``'s, in place, in one message; collective.
 

@@ -15,7 +15,7 @@ import time
 
 from mpi4py import MPI
 
-import ringtrain.training.loop
+import ringtrain.training.startup
 from ringtrain.cli import main
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,8 +32,8 @@ def mark(directory, name):
 if __name__ == "__main__":
     directory, seconds, flags = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
     rank = MPI.COMM_WORLD.Get_rank()
-    build = ringtrain.training.loop.build_model
-    ringtrain.training.loop.build_model = lambda *a, **kw: slowed(build(*a, **kw), 0.01)
+    build = ringtrain.training.startup.build_model
+    ringtrain.training.startup.build_model = lambda *a, **kw: slowed(build(*a, **kw), 0.01)
     mark(directory, f"pid-{rank}")
     status = main(["train", *flags])
     mark(directory, f"exiting-{rank}")
