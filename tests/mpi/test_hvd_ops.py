@@ -297,7 +297,9 @@ def test_a_joined_rank_adds_zeros_and_join_returns_the_last_rank_everywhere():
     else:
         got = hvd.allreduce(tensor, op=hvd.Sum, name="while-joined")
         with pytest.raises(RuntimeError, match="joined"):
-            hvd.broadcast(tensor, root_rank=1)
+            # Named: only the ranks that are not joined make this call, so an
+            # unnamed one would put their per-kind counters out of step with rank 0's.
+            hvd.broadcast(tensor, root_rank=1, name="refused-while-joined")
         last = hvd.join()
     contributions = COMM.allgather(values if rank else np.zeros_like(values))
     if rank:
