@@ -50,10 +50,14 @@ def communicator_of(process_set=None):
 def set_rank(process_set, rank):
     """``rank`` (of the runtime, as Horovod's ``root_rank`` is given) as a rank of ``process_set``'s communicator.
 
-    A rank outside the set is returned as it is: the collective's own check
-    then refuses it on every rank.
+    Raises:
+        ValueError: on every rank of the set, for a rank outside it (passed
+            on as it is, it could name another member of the set's
+            communicator and broadcast the wrong rank's values).
     """
     if _is_global(process_set):
         return rank
     ranks = list(process_set.ranks)
-    return ranks.index(rank) if rank in ranks else rank
+    if rank not in ranks:
+        raise ValueError(f"root_rank {rank} is not in the process set (ranks {ranks})")
+    return ranks.index(rank)
