@@ -69,11 +69,7 @@ SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
 def rank_from_env(env):
     """This process's rank from the launcher's variables, or None (pure)."""
-    for name in RANK_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
+    return _first_number(env, RANK_VARIABLES)
 
 
 def local_rank_from_env(env):
@@ -82,16 +78,17 @@ def local_rank_from_env(env):
     Known before MPI starts, so a GPU can be chosen before ``MPI_Init``
     (which a CUDA-aware MPI may use to set up CUDA on the current device).
     """
-    for name in LOCAL_RANK_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
+    return _first_number(env, LOCAL_RANK_VARIABLES)
 
 
 def size_from_env(env):
     """The job's number of ranks from the launcher's variables, or None (pure)."""
-    for name in SIZE_VARIABLES:
+    return _first_number(env, SIZE_VARIABLES)
+
+
+def _first_number(env, names):
+    """The first of ``names`` set in ``env`` to a non-negative integer, as an int, or None (pure)."""
+    for name in names:
         value = env.get(name, "")
         if value.isdigit():
             return int(value)
