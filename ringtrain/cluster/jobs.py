@@ -17,7 +17,8 @@ import time
 from . import leftovers, reaper
 from .signals import swapped_handlers
 
-__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "failure_report",
+__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "gave_up_line",
+           "not_restarted_line", "failure_report",
            "format_failure_report", "failed_rank", "first_failed", "exit_record_name", "parse_exit_record",
            "read_rank_logs", "read_exit_records", "read_tail", "Forwarder", "run_job",
            "run_with_restarts", "STOP_SIGNALS", "FORWARDED"]
@@ -51,6 +52,17 @@ def restart_line(status, restart, max_restarts, delay, rank=None):
     why = f" (rank {rank} failed)" if rank is not None else ""
     return (f"ringtrain launch: job exited with status {status}{why}; "
             f"restart {restart} of {max_restarts} in {delay:g}s")
+
+
+def gave_up_line(status, restarts):
+    """The line printed when a job failed again after its last allowed restart (pure)."""
+    return (f"ringtrain launch: gave up: the job failed again (status {status}) after {restarts} restart(s), "
+            "as many as --restarts allows; fix the failure above, or give a larger --restarts")
+
+
+def not_restarted_line(status):
+    """The line printed when a job ended after the user's SIGUSR1 (pure)."""
+    return f"ringtrain launch: the job ended (status {status}) after the SIGUSR1 you sent; not restarting it"
 
 
 RESTART_MARK = "ringtrain launch: restart "
@@ -212,6 +224,7 @@ class Forwarder:
         self.stopped = None  # the first stop signal received, if any
         self.stopped_at = None
         self.insisted_at = None  # when a second stop signal came
+        self.asked_to_checkpoint = False  # the user sent SIGUSR1: a job that ends after it is not restarted
         self._handlers = None
 
     def __enter__(self):
@@ -225,6 +238,8 @@ class Forwarder:
         self._handlers.__exit__(None, None, None)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGUSR1:
+            self.asked_to_checkpoint = True
         if signum in STOP_SIGNALS and self.stopped is not None and self.insisted_at is None:
             self.insisted_at = time.monotonic()
         if signum in STOP_SIGNALS and self.stopped is None:
@@ -250,8 +265,12 @@ def _die_with_launcher():
         pass
 
 
-def _wait(proc, forwarder):
-    """Wait for mpiexec to end; after a stop signal, escalate as :func:`reaper.next_step` says."""
+def _wait(proc, forwarder, tick=None):
+    """Wait for mpiexec to end; after a stop signal, escalate as :func:`reaper.next_step` says.
+
+    ``tick``, if given, is called about five times a second while the job
+    runs and nobody asked it to stop (the elastic launcher watches its hosts).
+    """
     forced = False
     while True:
         try:
@@ -259,6 +278,8 @@ def _wait(proc, forwarder):
         except subprocess.TimeoutExpired:
             pass
         if forwarder.stopped is None:
+            if tick is not None:
+                tick()
             continue
         now = time.monotonic()
         insisted = None if forwarder.insisted_at is None else now - forwarder.insisted_at
@@ -272,11 +293,11 @@ def _wait(proc, forwarder):
             forwarder.send(signal.SIGINT)
 
 
-def run_job(args, env, forwarder):
+def run_job(args, env, forwarder, tick=None):
     """Start mpiexec, pass signals on while it runs, and return its exit status.
 
     After a failure, the shared-memory segments the job left on this host
-    are removed (:mod:`ringtrain.cluster.leftovers`).
+    are removed (:mod:`ringtrain.cluster.leftovers`). ``tick``: see :func:`_wait`.
     """
     if forwarder.stopped is not None:
         return 128 + forwarder.stopped
@@ -287,7 +308,7 @@ def run_job(args, env, forwarder):
     try:
         if forwarder.stopped is not None:  # a signal came while it was starting
             forwarder.send(forwarder.stopped)
-        status = exit_status(_wait(forwarder.proc, forwarder))
+        status = exit_status(_wait(forwarder.proc, forwarder, tick))
     finally:
         forwarder.proc = None
     if status != 0:
@@ -331,12 +352,18 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
     with Forwarder() as forwarder:
         restart = 0
         while True:
+            forwarder.asked_to_checkpoint = False
             status = run_job(args_for(restart), env, forwarder)
             stopped = forwarder.stopped is not None
             if status == 0 or stopped:
                 return status
+            if forwarder.asked_to_checkpoint:
+                print(not_restarted_line(status), file=stderr, flush=True)
+                return status
             rank = _report_failure(logdir, stderr)
             if not should_restart(status, restart, max_restarts, stopped):
+                if max_restarts and status not in NO_RESTART_STATUSES:
+                    print(gave_up_line(status, restart), file=stderr, flush=True)
                 return status
             restart += 1
             print(restart_line(status, restart, max_restarts, delay, rank), file=stderr, flush=True)
