@@ -155,8 +155,17 @@ def format_failure_report(logdir, shown):
     out = []
     for rank, tail in shown:
         out.append(f"ringtrain launch: last {len(tail)} line(s) of {os.path.join(logdir, f'rank-{rank}.log')}:")
-        out += ["    " + line for line in tail]
+        out += ["    " + _cut(line) for line in tail]
     return out
+
+
+# A log's last "line" may be megabytes without a newline (a progress bar, a
+# dump cut short by a full disk); the report shows its start.
+MAX_LINE = 500
+
+
+def _cut(line):
+    return line if len(line) <= MAX_LINE else f"{line[:MAX_LINE]}... ({len(line):,} characters)"
 
 
 def read_rank_logs(logdir):
@@ -331,8 +340,25 @@ def _report_failure(logdir, stderr):
     rank, shown = failure_report(read_rank_logs(logdir), exits=read_exit_records(logdir))
     for line in format_failure_report(logdir, shown):
         print(line, file=stderr)
+    full = _full_disk_line(logdir)
+    if full:
+        print(full, file=stderr)
     stderr.flush()
     return rank
+
+
+def _full_disk_line(logdir):
+    """The line that says the rank logs are empty because their file system filled up, or None."""
+    try:
+        fs = os.statvfs(logdir)
+    except (OSError, AttributeError):
+        return None
+    free = fs.f_bavail * fs.f_frsize
+    if free >= 64 * 1024:
+        return None
+    return (f"ringtrain launch: the file system of {logdir} is full ({free:,} bytes free): the ranks' output "
+            "there is cut short, and a rank that cannot write its output may fail for that alone; free some "
+            "space or choose another -o")
 
 
 def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):

@@ -294,6 +294,23 @@ def check_logdir(logdir):
         raise UsageError(f"-o {logdir}: {parent} is not a directory; choose another log directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"-o {logdir}: cannot create it, {parent} is not writable; choose another log directory")
+    free = free_bytes(parent)
+    if free is not None and free < MIN_LOG_SPACE:
+        raise UsageError(f"-o {logdir}: its file system is full ({free:,} bytes free), so the ranks' output "
+                         "could not be written; free some space or choose another log directory")
+
+
+# Below this much free space, not even the ranks' first lines fit in their logs.
+MIN_LOG_SPACE = 64 * 1024
+
+
+def free_bytes(path):
+    """Bytes an ordinary user may still write on ``path``'s file system, or None when it will not say."""
+    try:
+        fs = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return fs.f_bavail * fs.f_frsize
 
 
 def check_runnable(command, path=None):

@@ -27,7 +27,7 @@ import time
 from .jobs import FORWARDED, RESTART_MARK, exit_record_name
 from .launch import RANK_VARIABLES, rank_from_env
 
-__all__ = ["rank_from_env", "open_log", "run_recorded", "die_of", "main"]
+__all__ = ["rank_from_env", "open_log", "run_recorded", "die_of", "group_signalled", "main"]
 
 USAGE = "usage: python -m ringtrain.cluster.rank_log [--restart N | --records-only] LOGDIR -- COMMAND..."
 
@@ -110,7 +110,8 @@ def run_recorded(command, record):
     Not an ``exec``: the launcher's failure report wants the rank whose
     process failed first, and only a parent can see a child die of SIGKILL
     (out of memory) with nothing in its log. The signals mpiexec sends are
-    passed on, the child dies with this wrapper (``PR_SET_PDEATHSIG``), and
+    passed on, exactly once (see :func:`group_signalled`), the child dies
+    with this wrapper (``PR_SET_PDEATHSIG``), and
     the wrapper ends with the child's status or signal, so mpirun sees what
     it would have seen.
     """
@@ -130,8 +131,9 @@ def run_recorded(command, record):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signum)
 
+    # Either way the wrapper itself lives on until the child ends.
     for signum in FORWARDED:
-        signal.signal(signum, forward)
+        signal.signal(signum, signal.SIG_IGN if group_signalled() else forward)
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
@@ -154,6 +156,18 @@ def die_of(signum):
             signal.signal(signum, signal.SIG_DFL)
     with contextlib.suppress(OSError):
         os.kill(os.getpid(), signum)
+
+
+def group_signalled():
+    """True when the launcher signals this process's whole group, the child included.
+
+    MPICH's proxy and Open MPI's daemon make each process they start the
+    leader of a process group of its own, and send it signals as a group:
+    the child already gets every signal, and a second copy from the wrapper
+    would read as "again" (a trainer's abort without a checkpoint). A
+    wrapper started any other way passes the signals on itself.
+    """
+    return os.getpgrp() == os.getpid()
 
 
 def _die_with(parent):

@@ -31,6 +31,7 @@ import os
 import uuid
 
 from .. import backend
+from ..cluster.elastic import under_elastic_launch
 from ..io.checkpoint import CheckpointError, check_formats, latest_valid_checkpoint, read_checkpoint
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
@@ -190,7 +191,8 @@ def _check_settings(found, cfg, size, warn, fingerprint=None):
                          f"{_shown(then)} and this run has {flag} {_shown(now)}, which changes {why}; {ways_out}")
     ranks = meta.get("world_size")
     if ranks not in (None, size):
-        if auto:
+        # An elastic launcher restarts the job at the size the hosts allow: going on is the point.
+        if auto and not under_elastic_launch(os.environ):
             raise UsageError(f"--resume auto: cannot resume from {path}: it was written by a {ranks}-rank job and "
                              f"this one has {size} ranks, which changes the data order; run on {ranks} ranks, "
                              f"give --resume {path} to go on with {size} anyway, or give a new --run-dir, or "
