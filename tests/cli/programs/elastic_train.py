@@ -75,7 +75,8 @@ def main(argv):
     @hvd.elastic.run
     def train(state):
         state.sizes = state.sizes + [hvd.size()]
-        for state.epoch in range(state.epoch, args.epochs):
+        for epoch in range(state.epoch, args.epochs):
+            state.epoch = epoch
             indices = list(sampler)
             for first in range(0, len(indices), args.batch):
                 batch = indices[first:first + args.batch]
