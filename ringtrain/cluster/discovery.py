@@ -23,7 +23,8 @@ from ..errors import UsageError
 from .hostfiles import MAX_NP, Host, ipv6_problem
 
 __all__ = ["DiscoveryError", "parse_discovery", "run_discovery", "HostBook", "assign", "host_of_rank",
-           "format_hosts", "cooldown_seconds", "EXCLUDE_AFTER", "DISCOVERY_TIMEOUT", "COOLDOWN_LIMITS"]
+           "format_hosts", "cooldown_seconds", "check_elastic_numbers", "EXCLUDE_AFTER", "DISCOVERY_TIMEOUT",
+           "COOLDOWN_LIMITS"]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 # A host whose ranks failed first this many times is left out (Horovod
@@ -211,12 +212,12 @@ def check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, r
     min_np = np if min_np is None else min_np
     if min_np < 1:
         raise UsageError(f"--min-np must be at least 1, got {min_np}")
-    if max_np is not None and max_np < min_np:
-        raise UsageError(f"--max-np {max_np} is below --min-np {min_np}; give --max-np at least --min-np")
     if np < min_np:
         raise UsageError(f"-np {np} is below --min-np {min_np}; give -np between --min-np and --max-np")
     if max_np is not None and np > max_np:
         raise UsageError(f"-np {np} is above --max-np {max_np}; give -np between --min-np and --max-np")
+    if max_np is not None and max_np < min_np:
+        raise UsageError(f"--max-np {max_np} is below --min-np {min_np}; give --max-np at least --min-np")
     if slots_per_host is not None and not 1 <= slots_per_host <= MAX_NP:
         raise UsageError(f"--slots-per-host must be between 1 and {MAX_NP}, got {slots_per_host}")
     if not (math.isfinite(elastic_timeout) and elastic_timeout >= 0):

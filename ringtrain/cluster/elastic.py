@@ -333,6 +333,7 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
     if check:
         _check_reachable(launcher.book.available(), stderr)
     if dry_run:
+        launcher.records = plan.logdir or "ELASTIC_DIR"  # made at the real start
         args, extra = launcher.args(assign(launcher.book.available(), numbers[1]), 0)
         print(_format(args, extra), file=stdout)
         return 0

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringtrain.cluster import elastic as E
+from ringtrain.cluster.launch import launch
+from ringtrain.commands.launch import add_arguments, elastic_settings
 from ringtrain.cluster.discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, cooldown_seconds,
                                          host_of_rank, parse_discovery, run_discovery)
 from ringtrain.cluster.hostfiles import Host
@@ -104,7 +106,8 @@ def test_ranks_fill_hosts_in_order_up_to_max_np_and_each_rank_knows_its_host():
 @pytest.mark.parametrize("args, message", [
     ((2, 3, None), "-np 2 is below --min-np 3"),
     ((4, 1, 3), "-np 4 is above --max-np 3"),
-    ((2, 2, 1), "--max-np 1 is below --min-np 2"),
+    ((3, 2, 1), "-np 3 is above --max-np 1"),
+    ((1, 1, 0), "-np 1 is above --max-np 0"),
     ((2, 0, None), "--min-np must be at least 1, got 0"),
 ])
 def test_elastic_numbers_that_cannot_work_are_refused(args, message):
@@ -116,6 +119,47 @@ def test_elastic_defaults_are_horovods():
     assert check_elastic_numbers(3, None, None, None, 30.0, None, None) == (3, None)
     with pytest.raises(UsageError, match="--blacklist-cooldown-range 0 5"):
         check_elastic_numbers(3, None, None, None, 30.0, None, (0, 5))
+
+
+def parsed(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*argv, "--", "true"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-np", "2", "--min-np", "1", "--slots-per-host", "2"], "--slots-per-host is for the lines of"),
+    (["-np", "2", "--min-np", "1", "-H", "a:2", "--host-discovery-script", "true"],
+     "give --host-discovery-script or --hostfile/-H, not both"),
+    (["-np", "2", "--host-discovery-script", "exit 4"], "host discovery script 'exit 4' exited with status 4"),
+    (["-np", "3", "--min-np", "1", "-H", "a:2"], "-np 3 needs 3 slots but the hosts give 2"),
+    (["-np", "2", "--min-np", "1", "-H", "fe80::1:2"], "-H entry 1: 'fe80::1:2' is an IPv6 address"),
+    (["-np", "2", "--min-np", "1", "--elastic-timeout", "-1"], "--elastic-timeout must be a number of seconds"),
+    (["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "5", "2"], "--blacklist-cooldown-range 5 2"),
+])
+def test_elastic_launches_that_cannot_work_are_refused_before_anything_is_written(tmp_path, flags, message):
+    args = parsed(*flags, "-o", str(tmp_path / "logs"))
+    with pytest.raises(UsageError, match=message):
+        launch(args.np, ["true"], hostfile=args.hostfile, host_list=args.host_list, logdir=args.logdir,
+               elastic=elastic_settings(args))
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("flag", [["--slots-per-host", "2"], ["--reset-limit", "1"],
+                                  ["--blacklist-cooldown-range", "1", "2"]])
+def test_an_elastic_detail_without_an_elastic_flag_is_refused(flag):
+    with pytest.raises(UsageError, match=f"{flag[0]} is an elastic flag"):
+        elastic_settings(parsed("-np", "2", *flag))
+    assert elastic_settings(parsed("-np", "2")) is None
+
+
+def test_the_dry_run_shows_the_first_starts_command_from_the_discovered_hosts(capsys):
+    args = parsed("-np", "2", "--max-np", "3", "--host-discovery-script", "printf 'h1:2\\nh2:2\\n'")
+    assert launch(args.np, ["true"], dry_run=True, elastic=elastic_settings(args)) == 0
+    out = capsys.readouterr().out
+    assert "h1:2,h2:1" in out and "-np 3" in out and "--records-only" in out, out
 
 
 # --- the launcher's notices ----------------------------------------------------------
@@ -146,9 +190,10 @@ def take_epoch(order, resets, batch):
     """Train one epoch in lockstep through ``resets``: ``[(size, steps), ...]``, then the rest at the last size.
 
     Returns every index taken, in the order the ranks took them, and the
-    size of the final partition (its padding is the only repeat allowed).
+    size of the partition that reached the epoch's end (its padding is the
+    only repeat allowed).
     """
-    taken, done = [], 0
+    taken, done, ended_at = [], 0, None
     plan = list(resets)
     while True:
         size, steps = plan.pop(0) if plan else (resets[-1][0], None)
@@ -158,8 +203,10 @@ def take_epoch(order, resets, batch):
             for share in shares:
                 taken += share[first:min(first + batch, count)]
         done += count * size
+        if ended_at is None and done >= len(order):
+            ended_at = size
         if steps is None or count < steps * batch:
-            return taken, size
+            return taken, ended_at
 
 
 @settings(max_examples=150, deadline=None)

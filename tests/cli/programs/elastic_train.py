@@ -2,20 +2,23 @@
 
 Usage::
 
-    python elastic_train.py REPORT [--epochs E] [--samples N] [--batch B] [--sleep S] [--pids DIR]
-                                   [--interrupt-at STEP] [--kill RANK:STEP]
+    python elastic_train.py REPORT [--epochs E] [--samples N] [--batch B] [--sleep S]
+                                   [--kill START:N:RANK] [--interrupt START:N] [--hosts FILE --set START:N:LINES]
 
 A linear model learns a fixed target from N samples through an
 :class:`ElasticSampler`, committing after every step. Each step's sample
 indices, gathered from every rank, are kept in the state (so the committed
 record says which samples were trained, and a test can check that none was
-skipped or taken twice), and so is the size of every start. ``--pids DIR``:
-each rank writes ``DIR/<start>-<rank>`` with its pid, for a test to kill it.
-``--interrupt-at STEP``: every rank raises ``HostsUpdatedInterrupt`` once,
-after step STEP's commit. ``--kill RANK:STEP``: on the first
-start, rank RANK SIGKILLs itself after step STEP's commit. At the end rank 0
-writes REPORT (JSON): the state's record, the number of reset callbacks, and
-every rank's digest of the parameters.
+skipped or taken twice), and so are the size and the hosts of every entry
+into the training function.
+
+Events happen after the N-th step (and its commit) of start START of the job
+(``$RINGTRAIN_ELASTIC_JOB``), so they do not depend on timing:
+``--kill START:N:RANK``: rank RANK SIGKILLs itself; ``--interrupt START:N``:
+every rank raises ``HostsUpdatedInterrupt``; ``--set START:N:LINES``: rank 0
+writes LINES (``;`` between lines) to FILE, which the launcher's discovery
+script prints. At the end rank 0 writes REPORT (JSON): the state's record,
+the sizes the reset callbacks saw, and every rank's digest of the parameters.
 """
 
 import argparse
@@ -23,6 +26,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -38,10 +42,22 @@ def parse(argv):
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--sleep", type=float, default=0.0)
-    parser.add_argument("--pids")
-    parser.add_argument("--interrupt-at", type=int)
-    parser.add_argument("--kill")
+    parser.add_argument("--kill", action="append", default=[])
+    parser.add_argument("--interrupt", action="append", default=[])
+    parser.add_argument("--hosts")
+    parser.add_argument("--set", action="append", default=[])
     return parser.parse_args(argv)
+
+
+def events(args, start):
+    """``{n: [(what, argument), ...]}``: what happens after this start's n-th step."""
+    found = {}
+    for what, specs in (("kill", args.kill), ("interrupt", args.interrupt), ("set", args.set)):
+        for spec in specs:
+            at, n, *rest = spec.split(":", 2)
+            if int(at) == start:
+                found.setdefault(int(n), []).append((what, rest[0] if rest else None))
+    return found
 
 
 def digest(model):
@@ -55,9 +71,7 @@ def main(argv):
     args = parse(argv)
     hvd.init()
     start = int(os.environ.get("RINGTRAIN_ELASTIC_JOB", "0"))
-    if args.pids:
-        with open(os.path.join(args.pids, f"{start}-{hvd.rank()}"), "w") as fh:
-            fh.write(str(os.getpid()))
+    happen = events(args, start)
     generator = torch.Generator().manual_seed(7)
     inputs = torch.randn(args.samples, 4, generator=generator)
     targets = inputs @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
@@ -67,14 +81,15 @@ def main(argv):
                                          named_parameters=model.named_parameters())
     sampler = hvd.elastic.ElasticSampler(list(range(args.samples)), shuffle=True, seed=3)
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, steps=0, seen={}, sizes=[],
-                                   interrupted=False)
+                                   hosts=[])
     resets = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
-    kill_rank, kill_step = (int(x) for x in args.kill.split(":")) if args.kill else (None, None)
+    stepped = [0]  # steps this start has taken
 
     @hvd.elastic.run
     def train(state):
         state.sizes = state.sizes + [hvd.size()]
+        state.hosts = state.hosts + [hvd.allgather_object(socket.gethostname())]
         for epoch in range(state.epoch, args.epochs):
             state.epoch = epoch
             indices = list(sampler)
@@ -89,12 +104,15 @@ def main(argv):
                 sampler.record_batch(0, len(batch))
                 state.steps += 1
                 state.commit()
-                if state.steps == args.interrupt_at and not state.interrupted:
-                    state.interrupted = True
-                    state.save()
-                    raise hvd.HostsUpdatedInterrupt(False)
-                if start == 0 and hvd.rank() == kill_rank and state.steps == kill_step:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                stepped[0] += 1
+                for what, argument in happen.get(stepped[0], []):
+                    if what == "kill" and hvd.rank() == int(argument):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if what == "set" and hvd.rank() == 0:
+                        with open(args.hosts, "w") as fh:
+                            fh.write(argument.replace(";", "\n") + "\n")
+                    if what == "interrupt":
+                        raise hvd.HostsUpdatedInterrupt(False)
                 time.sleep(args.sleep)
             sampler.set_epoch(state.epoch + 1)
         return state.steps
@@ -103,8 +121,7 @@ def main(argv):
     digests = hvd.allgather_object(digest(model))
     if hvd.rank() == 0:
         report = {"steps": steps, "epoch": state.epoch, "seen": state.seen, "sizes": state.sizes,
-                  "resets": resets, "digests": digests, "size": hvd.size(), "start": start,
-                  "interrupted": state.interrupted}
+                  "hosts": state.hosts, "resets": resets, "digests": digests, "size": hvd.size(), "start": start}
         with open(args.report, "w") as fh:
             json.dump(report, fh)
 
