@@ -349,12 +349,10 @@ def _report_failure(logdir, stderr):
 
 def _full_disk_line(logdir):
     """The line that says the rank logs are empty because their file system filled up, or None."""
-    try:
-        fs = os.statvfs(logdir)
-    except (OSError, AttributeError):
-        return None
-    free = fs.f_bavail * fs.f_frsize
-    if free >= 64 * 1024:
+    from .launch import MIN_LOG_SPACE, free_bytes
+
+    free = free_bytes(logdir)
+    if free is None or free >= MIN_LOG_SPACE:
         return None
     return (f"ringtrain launch: the file system of {logdir} is full ({free:,} bytes free): the ranks' output "
             "there is cut short, and a rank that cannot write its output may fail for that alone; free some "

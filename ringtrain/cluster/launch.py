@@ -305,12 +305,16 @@ MIN_LOG_SPACE = 64 * 1024
 
 
 def free_bytes(path):
-    """Bytes an ordinary user may still write on ``path``'s file system, or None when it will not say."""
+    """Bytes an ordinary user may still write on ``path``'s file system, or None when it will not say.
+
+    None too for a file system with no blocks at all (/proc, /sys): it has
+    no space to run out of, and says 0.
+    """
     try:
         fs = os.statvfs(path)
     except (OSError, AttributeError):
         return None
-    return fs.f_bavail * fs.f_frsize
+    return fs.f_bavail * fs.f_frsize if fs.f_blocks else None
 
 
 def check_runnable(command, path=None):
