@@ -14,17 +14,19 @@ the standard library and its neighbours. Nothing here talks to MPI.
 
 import dataclasses
 import math
+import os
 import random
 import re
+import shutil
 import subprocess
 import time
 
 from ..errors import UsageError
 from .hostfiles import MAX_NP, Host, ipv6_problem
 
-__all__ = ["DiscoveryError", "parse_discovery", "run_discovery", "HostBook", "assign", "host_of_rank",
-           "format_hosts", "cooldown_seconds", "check_elastic_numbers", "EXCLUDE_AFTER", "DISCOVERY_TIMEOUT",
-           "COOLDOWN_LIMITS"]
+__all__ = ["DiscoveryError", "parse_discovery", "run_discovery", "discovery_command", "HostBook", "assign",
+           "host_of_rank", "format_hosts", "cooldown_seconds", "check_elastic_numbers", "EXCLUDE_AFTER",
+           "DISCOVERY_TIMEOUT", "COOLDOWN_LIMITS"]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 # A host whose ranks failed first this many times is left out (Horovod
@@ -70,6 +72,26 @@ def parse_discovery(text, default_slots=1, source="host discovery script"):
             raise DiscoveryError(f"{where}: host {name} is listed twice")
         hosts[name] = slots
     return hosts
+
+
+def discovery_command(script, path=None):
+    """The shell command that runs ``script`` (pure but for looking at files).
+
+    horovodrun's documentation gives ``--host-discovery-script
+    discover_hosts.sh``: a bare name that is a file here and no command on
+    PATH means that file, as ``./discover_hosts.sh``.
+
+    Raises:
+        UsageError: it names a file here that cannot be executed.
+    """
+    name = script.strip()
+    if not name or any(c.isspace() for c in name) or os.sep in name or shutil.which(name, path=path):
+        return script
+    if not os.path.isfile(name):
+        return script
+    if not os.access(name, os.X_OK):
+        raise UsageError(f"--host-discovery-script {name}: not executable; chmod +x {name}")
+    return f"./{name}"
 
 
 def run_discovery(script, default_slots=1, timeout=DISCOVERY_TIMEOUT):

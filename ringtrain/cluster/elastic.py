@@ -36,8 +36,8 @@ import time
 
 from ..errors import UsageError
 from ..io.rundir import write_json_atomic
-from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, format_hosts, host_of_rank,
-                        run_discovery)
+from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
+                        host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
 from .launch import format_command, make_logdir, report_success
 from .jobs import (NO_RESTART_STATUSES, Forwarder, _report_failure, first_failed, not_restarted_line,
@@ -150,6 +150,7 @@ class _Launcher:
         self.records = plan.logdir
         self.book = HostBook(cooldown=cooldown)
         self._warned = None
+        self.told_kept = False
 
     def say(self, line):
         print(f"ringtrain launch: {line}", file=self.stderr, flush=True)
@@ -292,8 +293,10 @@ def _run(launcher, np, env):
 
 
 def _kept(launcher):
+    """``; the last commit is kept in DIR ...`` when there is one (and remember it was said)."""
     if not _has_commit(launcher.directory):
         return ""
+    launcher.told_kept = True
     return (f"; the last commit is kept in {launcher.directory}: launch again with "
             f"{ENV_DIR}={launcher.directory} to resume from it")
 
@@ -327,6 +330,8 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
     env = dict(os.environ if env is None else env)
     numbers = check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, reset_limit, cooldown)
     fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
+    if discovery_script is not None:
+        discovery_script = discovery_command(discovery_script)
     launcher = _Launcher(plan, numbers, discovery_script, fixed, slots_per_host, elastic_timeout, reset_limit,
                          cooldown, restart_delay, None, stderr)
     launcher.discover(first=True)
@@ -356,6 +361,8 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         # Kept when anything was committed and the job did not finish: it is the way back.
         if owned and (status == 0 or not _has_commit(launcher.directory)):
             shutil.rmtree(launcher.directory, ignore_errors=True)
+        elif status != 0 and not launcher.told_kept and _has_commit(launcher.directory):
+            launcher.say(_kept(launcher)[2:])
     if status == 0 and plan.logdir is not None:
         report_success(plan.logdir, stderr)
     return status

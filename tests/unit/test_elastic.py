@@ -12,7 +12,7 @@ from ringtrain.cluster import elastic as E
 from ringtrain.cluster.launch import launch
 from ringtrain.commands.launch import add_arguments, elastic_settings
 from ringtrain.cluster.discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, cooldown_seconds,
-                                         host_of_rank, parse_discovery, run_discovery)
+                                         discovery_command, host_of_rank, parse_discovery, run_discovery)
 from ringtrain.cluster.hostfiles import Host
 from ringtrain.errors import UsageError
 from ringtrain.torch.elastic.commits import CommitStore, decode, encode
@@ -47,6 +47,18 @@ def test_a_failing_or_silent_script_says_why(tmp_path):
         run_discovery("echo 'no cloud' >&2; exit 3")
     with pytest.raises(DiscoveryError, match="did not finish within 0.5s"):
         run_discovery("sleep 5", timeout=0.5)
+
+
+def test_a_bare_script_name_here_runs_as_horovods_documentation_gives_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "discover_hosts.sh").write_text("#!/bin/sh\necho h1:2\n")
+    with pytest.raises(UsageError, match="discover_hosts.sh: not executable; chmod \\+x discover_hosts.sh"):
+        discovery_command("discover_hosts.sh")
+    (tmp_path / "discover_hosts.sh").chmod(0o755)
+    assert discovery_command("discover_hosts.sh") == "./discover_hosts.sh"
+    assert run_discovery(discovery_command("discover_hosts.sh")) == {"h1": 2}
+    for command in ("echo h1:2", "/bin/true", "true", "missing.sh"):  # commands, paths and names left alone
+        assert discovery_command(command) == command
 
 
 # --- the host book: failures, exclusion, cool-down ----------------------------------
