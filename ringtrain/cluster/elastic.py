@@ -190,8 +190,9 @@ class _Launcher:
             self.discover()
 
     def describe_hosts(self):
+        """``3 slot(s) (h1:2,h2:1; left out after repeated failures: h3)``."""
         hosts = self.book.available()
-        text = f"{sum(h.slots for h in hosts)} ({format_hosts(hosts)}"
+        text = f"{sum(h.slots for h in hosts)} slot(s) ({format_hosts(hosts)}"
         out = self.book.left_out()
         if out:
             text += f"; left out after repeated failures: {', '.join(out)}"
@@ -255,7 +256,7 @@ def _run(launcher, np, env):
                 if forwarder.stopped is not None:
                     return status
                 flag = "-np" if job == 0 else "--min-np"
-                launcher.say(f"gave up: the hosts give {launcher.describe_hosts()} slot(s), fewer than {flag} "
+                launcher.say(f"gave up: the hosts give {launcher.describe_hosts()}, fewer than {flag} "
                              f"{need}, after waiting {launcher.timeout:g}s (--elastic-timeout){_kept(launcher)}")
                 return status if job else 1
             assignment = assign(hosts, launcher.max_np)

@@ -90,7 +90,7 @@ def test_too_few_slots_gives_up_in_one_line_after_the_elastic_timeout(tmp_path):
                  timeout=60)
     assert result.returncode == 1, show(result)
     last = result.stderr.strip().splitlines()[-1]
-    assert last == ("ringtrain launch: gave up: the hosts give 1 (localhost:1) slot(s), fewer than -np 2, after "
+    assert last == ("ringtrain launch: gave up: the hosts give 1 slot(s) (localhost:1), fewer than -np 2, after "
                     "waiting 1s (--elastic-timeout)"), show(result)
 
 
@@ -101,8 +101,8 @@ def test_a_host_that_keeps_failing_is_left_out_and_then_the_launch_gives_up(tmp_
     lines = result.stderr.strip().splitlines()
     assert sum(line.startswith("ringtrain launch: the job exited with status 3 (rank ") for line in lines) == 3
     assert "ringtrain launch: host localhost is left out after failing 3 times" in lines, show(result)
-    assert lines[-1].startswith("ringtrain launch: gave up: the hosts give 0 (no hosts; left out after repeated "
-                                "failures: localhost) slot(s), fewer than --min-np 1"), show(result)
+    assert lines[-1].startswith("ringtrain launch: gave up: the hosts give 0 slot(s) (no hosts; left out after "
+                                "repeated failures: localhost), fewer than --min-np 1"), show(result)
 
 
 def test_the_reset_limit_ends_the_launch_in_one_line(tmp_path):

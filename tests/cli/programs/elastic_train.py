@@ -17,7 +17,8 @@ Events happen after the N-th step (and its commit) of start START of the job
 ``--kill START:N:RANK``: rank RANK SIGKILLs itself; ``--interrupt START:N``:
 every rank raises ``HostsUpdatedInterrupt``; ``--set START:N:LINES``: rank 0
 writes LINES (``;`` between lines) to FILE, which the launcher's discovery
-script prints. At the end rank 0 writes REPORT (JSON): the state's record,
+script prints, and every rank calls ``check_host_updates`` until the
+launcher's notice stops the job. At the end rank 0 writes REPORT (JSON): the state's record,
 the sizes the reset callbacks saw, and every rank's digest of the parameters.
 """
 
@@ -67,6 +68,18 @@ def digest(model):
     return h.hexdigest()
 
 
+def wait_for_the_launcher(state, seconds=120):
+    """Check for host updates until the launcher's notice arrives (it raises HostsUpdatedInterrupt).
+
+    The training would otherwise go on, and might end before the notice
+    comes. The same number of checks on every rank: the check is collective.
+    """
+    for _ in range(int(seconds / 0.1)):
+        state.check_host_updates()
+        time.sleep(0.1)
+    raise RuntimeError(f"no notice from the launcher within {seconds}s of changing its hosts")
+
+
 def main(argv):
     args = parse(argv)
     hvd.init()
@@ -108,9 +121,11 @@ def main(argv):
                 for what, argument in happen.get(stepped[0], []):
                     if what == "kill" and hvd.rank() == int(argument):
                         os.kill(os.getpid(), signal.SIGKILL)
-                    if what == "set" and hvd.rank() == 0:
-                        with open(args.hosts, "w") as fh:
-                            fh.write(argument.replace(";", "\n") + "\n")
+                    if what == "set":
+                        if hvd.rank() == 0:
+                            with open(args.hosts, "w") as fh:
+                                fh.write(argument.replace(";", "\n") + "\n")
+                        wait_for_the_launcher(state)
                     if what == "interrupt":
                         raise hvd.HostsUpdatedInterrupt(False)
                 time.sleep(args.sleep)
