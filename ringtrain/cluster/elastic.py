@@ -39,9 +39,9 @@ from ..io.rundir import write_json_atomic
 from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
                         host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
-from .launch import format_command, make_logdir, report_success
-from .jobs import (NO_RESTART_STATUSES, Forwarder, _report_failure, first_failed, not_restarted_line,
-                   read_exit_records, run_job)
+from .jobs import (NO_RESTART_STATUSES, Forwarder, first_failed, not_restarted_line, read_exit_records,
+                   report_failure, report_success, run_job)
+from .launch import format_command, make_logdir
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
            "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",
@@ -276,7 +276,7 @@ def _run(launcher, np, env):
                 return status
             planned = watch.asked and status in (RESTART_STATUS, 128 + signal.SIGUSR1)
             if not planned:
-                failed = _report_failure(launcher.plan.logdir, launcher.stderr) if launcher.plan.logdir else \
+                failed = report_failure(launcher.plan.logdir, launcher.stderr) if launcher.plan.logdir else \
                     first_failed(read_exit_records(launcher.records))
                 if status in NO_RESTART_STATUSES:
                     return status

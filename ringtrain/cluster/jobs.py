@@ -18,10 +18,10 @@ from . import leftovers, reaper
 from .signals import swapped_handlers
 
 __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "gave_up_line",
-           "not_restarted_line", "failure_report",
-           "format_failure_report", "failed_rank", "first_failed", "exit_record_name", "parse_exit_record",
-           "read_rank_logs", "read_exit_records", "read_tail", "Forwarder", "run_job",
-           "run_with_restarts", "STOP_SIGNALS", "FORWARDED"]
+           "not_restarted_line", "failure_report", "format_failure_report", "failed_rank", "first_failed",
+           "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail",
+           "report_failure", "report_success", "Forwarder", "run_job", "run_with_restarts", "STOP_SIGNALS",
+           "FORWARDED"]
 
 
 # --- restarts and failure reports (pure) --------------------------------------
@@ -333,7 +333,7 @@ def _sleep_unless_stopped(seconds, forwarder):
     return forwarder.stopped is not None
 
 
-def _report_failure(logdir, stderr):
+def report_failure(logdir, stderr):
     """Print the failing rank's last lines from the rank logs; returns the rank, if known."""
     if logdir is None:
         return None
@@ -347,8 +347,23 @@ def _report_failure(logdir, stderr):
     return rank
 
 
+def report_success(logdir, stderr, lines=5):
+    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went)."""
+    path = os.path.join(logdir, "rank-0.log")
+    try:
+        tail = last_run(read_tail(path)).splitlines()[-lines:]
+    except OSError:
+        tail = []
+    print(f"ringtrain launch: the job finished (exit status 0); each rank's output is in "
+          f"{os.path.join(logdir, 'rank-R.log')}" + (f"; the last {len(tail)} line(s) of {path}:" if tail else ""),
+          file=stderr)
+    for line in tail:
+        print("    " + _cut(line), file=stderr)
+    stderr.flush()
+
+
 def _full_disk_line(logdir):
-    """The line that says the rank logs are empty because their file system filled up, or None."""
+    """The line that says the rank logs are cut short because their file system is full, or None."""
     from .launch import MIN_LOG_SPACE, free_bytes
 
     free = free_bytes(logdir)
@@ -384,7 +399,7 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
             if forwarder.asked_to_checkpoint:
                 print(not_restarted_line(status), file=stderr, flush=True)
                 return status
-            rank = _report_failure(logdir, stderr)
+            rank = report_failure(logdir, stderr)
             if not should_restart(status, restart, max_restarts, stopped):
                 if max_restarts and status not in NO_RESTART_STATUSES:
                     print(gave_up_line(status, restart), file=stderr, flush=True)

@@ -31,7 +31,7 @@ import tempfile
 
 from ..errors import UsageError
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
-from .jobs import run_with_restarts
+from .jobs import report_success, run_with_restarts
 
 __all__ = [
     "RANK_VARIABLES",
@@ -52,7 +52,6 @@ __all__ = [
     "check_logdir",
     "make_logdir",
     "plan_launch",
-    "report_success",
     "launch",
 ]
 
@@ -478,23 +477,6 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def report_success(logdir, stderr, lines=5):
-    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went)."""
-    from .jobs import last_run, read_tail
-
-    path = os.path.join(logdir, "rank-0.log")
-    try:
-        tail = last_run(read_tail(path)).splitlines()[-lines:]
-    except OSError:
-        tail = []
-    print(f"ringtrain launch: the job finished (exit status 0); each rank's output is in "
-          f"{os.path.join(logdir, 'rank-R.log')}" + (f"; the last {len(tail)} line(s) of {path}:" if tail else ""),
-          file=stderr)
-    for line in tail:
-        print("    " + line, file=stderr)
-    stderr.flush()
 
 
 def _launch_elastic(np, command, hostfile, host_list, logdir, dry_run, mpirun, check, restarts, restart_delay,
