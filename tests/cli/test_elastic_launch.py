@@ -12,6 +12,7 @@ that end.
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -130,11 +131,12 @@ def test_ringtrain_train_resumes_at_the_size_the_hosts_allow(tmp_path):
     hosts, run_dir = tmp_path / "hosts", tmp_path / "run"
     hosts.write_text("localhost:2\n")
     out = open(tmp_path / "launcher.out", "w")
-    import subprocess
 
+    # Each step at least 20 ms (slow_train.py), so the run cannot end before the launcher sees the change.
+    train = [sys.executable, os.path.join(ROOT, "tests", "cli", "programs", "slow_train.py"), "0.02", "--dataset",
+             "digits", "--epochs", "12", "--hidden", "16", "--run-dir", str(run_dir)]
     launcher = subprocess.Popen(
-        elastic_launch(hosts, "-np", "2", "--min-np", "1", "--", *ringtrain(
-            "train", "--dataset", "digits", "--epochs", "150", "--hidden", "16", "--run-dir", str(run_dir))),
+        elastic_launch(hosts, "-np", "2", "--min-np", "1", "--", *train),
         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=job_env(), cwd=ROOT,
         start_new_session=True)
     out.close()
@@ -159,4 +161,4 @@ def test_ringtrain_train_resumes_at_the_size_the_hosts_allow(tmp_path):
     from ringtrain import load_checkpoint
 
     _, meta = load_checkpoint(str(run_dir))
-    assert meta["world_size"] == 1 and meta["epoch"] == 150, meta
+    assert meta["world_size"] == 1 and meta["epoch"] == 12, meta
