@@ -3,7 +3,7 @@
 The public API; see README.md for the commands.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 from .comm import allreduce, allreduce_, allreduce_many_, broadcast_
 from .io.checkpoint import CheckpointError, load_checkpoint
