@@ -1,6 +1,6 @@
 """ringtrain: data-parallel training under MPI with a ring allreduce.
 
-The public API; see README.md for the commands.
+The public API; the documentation is in docs/ (docs/library.md, docs/api/ringtrain.md).
 """
 
 __version__ = "0.3.0"
