@@ -1,12 +1,13 @@
 """The documentation's Markdown, read two ways: the fences as written, and the blocks as they render.
 
-:data:`PAGES` is the README and every page of the site (``docs/incoming/`` is not published, so it
-is left out). :func:`fences` finds the code blocks the way an author writes them: a line of three
-backticks and a language opens one, a line of three backticks alone closes it. :func:`problems`
-renders the text with a CommonMark parser (markdown-it-py, as GitHub and PyPI render the README)
-and names every place where the two readings differ: a fence that does not close where it was
-meant to (text after a closing fence), a heading that renders as something else, a table or a
-list that renders as a paragraph. Pure functions, no MPI.
+:data:`PAGES` is the README and every page of the site; :data:`SOURCES` adds the sections waiting
+in ``docs/incoming/`` (not published, but their code and Markdown are checked all the same).
+:func:`fences` finds the code blocks the way an author writes them: a line of three backticks and a
+language opens one, a line of three backticks alone closes it. :func:`problems` renders the text
+with a CommonMark parser (markdown-it-py, as GitHub and PyPI render the README) and names every
+place where the two readings differ: a fence that does not close where it was meant to (text after
+a closing fence), a heading that renders as something else, a table or a list that renders as a
+paragraph. Pure functions, no MPI.
 """
 
 import glob
@@ -18,9 +19,10 @@ from collections import namedtuple
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md"] + sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
-    if os.sep + "incoming" + os.sep not in p)
+_ALL = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+PAGES = ["README.md"] + [p for p in _ALL if not p.startswith(os.path.join("docs", "incoming", ""))]
+# What the code and Markdown tests read: the pages, and the sections waiting in docs/incoming/ to be merged.
+SOURCES = PAGES + [p for p in _ALL if p not in PAGES]
 
 Fence = namedtuple("Fence", "lang code line marker")   # line: 1-based line of the opening fence
 

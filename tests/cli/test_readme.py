@@ -21,13 +21,13 @@ import sys
 
 import pytest
 
-from markdown_pages import PAGES, fences, read
+from markdown_pages import SOURCES, fences, read
 from mpirun import ROOT, mpirun, ringtrain, show
 
 
 def _blocks(*langs):
     """[(page, line, fence)] of the given languages over every page."""
-    return [(page, fence.line, fence) for page in PAGES for fence in fences(read(page)) if fence.lang in langs]
+    return [(page, fence.line, fence) for page in SOURCES for fence in fences(read(page)) if fence.lang in langs]
 
 
 def _unique_python():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from markdown_pages import PAGES, fences, problems, read, require
+from markdown_pages import SOURCES, fences, problems, read, require
 
 require("markdown_it", "pip install markdown-it-py, or the [test] extra")
 
@@ -27,12 +27,12 @@ ringtrain/
 """
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SOURCES)
 def test_page_renders_as_written(page):
     assert problems(read(page)) == [], page
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", SOURCES)
 def test_every_fence_names_its_language(page):
     """So that no block escapes the tests: python runs, bash is parsed, text is output."""
     unnamed = [fence.line for fence in fences(read(page)) if not fence.lang]
