@@ -37,3 +37,15 @@ def test_torch_is_pinned_and_only_where_asked_for():
 @pytest.mark.parametrize("module", ["torch", "mlxtend", "mkdocs", "mkdocstrings", "markdown_it", "matplotlib"])
 def test_ci_has_every_extra_so_no_test_skips_for_want_of_one(module):
     assert importlib.util.find_spec(module) is not None, f"CI's install lacks {module}"
+
+
+def test_install_sizes_asks_pypi_alone(monkeypatch):
+    """scripts/install_sizes.py: no local index, find-links or constraint of this machine leaks into its pip."""
+    spec = importlib.util.spec_from_file_location("install_sizes", os.path.join(ROOT, "scripts", "install_sizes.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///opt/pypi/simple")
+    env = module._pip_env()
+    assert env["PIP_CONFIG_FILE"] == os.devnull and "PIP_FIND_LINKS" not in env and "PIP_EXTRA_INDEX_URL" not in env
+    assert module.PYPI == "https://pypi.org/simple" and module.size_of("/work/main") == 0
