@@ -207,6 +207,7 @@ class _Run:
     def _train_event(self, step, epoch):
         event = self.meter.take_window(step, epoch)
         if event is not None:
+            event["lr"] = learning_rate(step - 1, self.base_lr, warmup_steps=self.cfg.warmup_steps)  # its last step's
             self.last_train = event
             if _finite_loss(event) and (self.best_train is None or event["loss"] < self.best_train["loss"]):
                 self.best_train = event
