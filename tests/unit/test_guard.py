@@ -50,7 +50,7 @@ def test_collectives_still_work_under_a_bound():
 
 
 def test_a_second_thread_in_a_collective_on_one_communicator_is_refused():
-    held = guard._guard_of(None)
+    held = guard.guard_of(None)
     assert held.enter("broadcast_")  # as if this thread were inside broadcast_
     try:
         errors = []
