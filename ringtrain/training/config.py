@@ -7,6 +7,7 @@ and nothing (not even the run directory) is written.
 """
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -278,11 +279,27 @@ def parse_ints(text, name="hidden"):
                          everywhere=True) from None
 
 
+def closest_setting(name):
+    """The setting a mistyped ``name`` most likely meant, or None (pure).
+
+    The same words spelled another way first (``batch-size``, ``batchsize``),
+    then the nearest name by spelling (``epoch`` -> ``epochs``, ``learning_rate`` is too far from ``lr``).
+    """
+    if not isinstance(name, str):
+        return None
+    squeezed = name.replace("-", "").replace("_", "").lower()
+    same = [n for n in FIELDS if n.replace("_", "") == squeezed]
+    if same:
+        return same[0]
+    near = difflib.get_close_matches(name.replace("-", "_").lower(), list(FIELDS), n=1, cutoff=0.75)
+    return near[0] if near else None
+
+
 def coerce(name, value, source):
     """Convert a value from a config file to the field's type, or raise a one-line UsageError."""
     if name not in FIELDS:
-        close = [n for n in FIELDS if n.replace("_", "") == name.replace("-", "").replace("_", "")]
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = closest_setting(name)
+        hint = f"; did you mean {close!r}?" if close else ""
         raise UsageError(f"{source}: unknown setting {name!r}{hint}", everywhere=True)
     field = FIELDS[name]
     kind = type_name(field)
