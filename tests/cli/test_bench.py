@@ -38,6 +38,13 @@ def test_one_rank_is_one_line_exit_2():
                                      "run it under mpirun -np 2 (or more)")
 
 
+def test_bench_alone_says_what_to_type():
+    result = mpirun(2, ringtrain("bench"), timeout=60)
+    assert result.returncode == 2, show(result)
+    assert result.stderr.strip() == ("ringtrain: error: say what to benchmark: ringtrain bench allreduce (under "
+                                     "mpirun -np 2 or more)"), show(result)
+
+
 @pytest.mark.skipif(backend.gpu_available(), reason="a GPU is visible here, so --device gpu is valid input")
 def test_gpu_without_one_is_one_line_exit_2_on_every_rank():
     result = mpirun(2, ringtrain("bench", "allreduce", "--device", "gpu"), timeout=60)
