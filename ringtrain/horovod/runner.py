@@ -12,11 +12,13 @@ Horovod ("this function must be compatible with pickle"). A function defined
 in the script (``__main__``) is found by each rank the way
 :mod:`multiprocessing`'s spawn start method finds it: the rank runs the script
 under the name ``__mp_main__`` (its ``if __name__ == "__main__":`` block is
-skipped) and stands it in for ``__main__`` while unpickling.
+skipped, and ``sys.argv`` is the driver's) and stands it in for ``__main__``
+while unpickling.
 """
 
 import builtins
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -31,6 +33,7 @@ from ..cluster.launch import RANK_VARIABLES, detect_flavour, find_mpirun, launch
 __all__ = ["run", "run_worker", "unsupported", "TASK_FILE", "result_file"]
 
 TASK_FILE = "task.pickle"
+ARGV_FILE = "argv.json"
 # Horovod's elastic and Gloo options; ringtrain's run takes neither.
 _REFUSED = {
     "min_num_proc": "elastic horovod.run (min_num_proc, max_num_proc, host_discovery_script)",
@@ -110,6 +113,8 @@ def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=
     with tempfile.TemporaryDirectory(prefix="ringtrain-run-") as folder:
         with open(os.path.join(folder, TASK_FILE), "wb") as fh:
             pickle.dump((func, tuple(args), dict(kwargs or {})), fh)
+        with open(os.path.join(folder, ARGV_FILE), "w") as fh:
+            json.dump(list(sys.argv), fh)  # the script sees the driver's command line on every rank
         command = [executable or sys.executable, "-m", "ringtrain.horovod", "--worker", folder]
         script = getattr(sys.modules.get("__main__"), "__file__", None)
         if script:
@@ -160,6 +165,8 @@ def run_worker(folder, script=None, rank=None):
 
         rank = MPI.COMM_WORLD.Get_rank()
     try:
+        with open(os.path.join(folder, ARGV_FILE)) as fh:
+            sys.argv = json.load(fh)
         if script:
             sys.path.insert(0, os.path.dirname(script))
             _load_script(script)

@@ -58,8 +58,9 @@ def _straight_run(size, seed=42, lr=0.1):
     return start, [p.detach() for p in model.parameters()]
 
 
-def _check(results, size):
+def _check(results, size, argv):
     assert [r["rank"] for r in results] == list(range(size))
+    assert all(r["argv"] == argv for r in results)  # every rank sees the command line the script was given
     start, end = _straight_run(size)
     for r in results:
         assert r["size"] == size and r["hvd"] == "ringtrain.torch" and r["version"] == "0.28.1"
@@ -78,7 +79,7 @@ def test_horovod_run_starts_the_ranks_and_returns_their_results_in_rank_order():
     result = run(RUNNER + [PROGRAM, "--num-proc", "3"], timeout=240, env=mpirun.test_env())
     assert result.returncode == 0, show(result)
     (results,) = _lines(result.stdout, "results")
-    _check(results, 3)
+    _check(results, 3, ["--num-proc", "3"])
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -86,7 +87,7 @@ def test_the_script_under_mpirun_matches_a_straight_run(size):
     result = run([find_mpirun(), "-np", str(size)] + RUNNER + [PROGRAM], timeout=240, env=mpirun.test_env())
     assert result.returncode == 0, show(result)
     (results,) = _lines(result.stdout, "results")
-    _check(results, size)
+    _check(results, size, [])
 
 
 def test_a_rank_that_raises_in_horovod_run_fails_the_call_and_names_the_rank():

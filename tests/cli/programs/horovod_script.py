@@ -14,6 +14,7 @@ returns (or, under mpirun, rank 0 prints them all as one JSON line) what the tes
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -56,7 +57,7 @@ def main(args):
         optimizer.step()
     mean_rank = hvd.allreduce(torch.tensor(float(hvd.rank())), name="mean_rank").item()
     return {"rank": hvd.rank(), "size": hvd.size(), "mean_rank": mean_rank, "version": horovod.__version__,
-            "hvd": hvd.__name__, "start": [p.tolist() for p in start],
+            "hvd": hvd.__name__, "argv": sys.argv[1:], "start": [p.tolist() for p in start],
             "end": [p.detach().tolist() for p in model.parameters()]}
 
 
