@@ -7,10 +7,11 @@ medians over rounds as one JSON line::
 
     mpirun -np 2 python scripts/bench_small_calls.py --bytes 4096 --calls 2000 --rounds 15
 
-``--compare TREE`` runs LAUNCHES launches of this tree and of TREE (another
-checkout of ringtrain, e.g. a ``git worktree`` of an older commit), alternating,
-and prints the median of each tree's launch medians, the ratios (this tree
-against MPI's Allreduce, this tree against TREE) and the load average::
+``--compare TREE [TREE ...]`` runs LAUNCHES launches of this tree and of each
+TREE (other checkouts of ringtrain, e.g. a ``git worktree`` of an older commit),
+in turn, and prints the median of each tree's launch medians, the ratios
+(each tree's against MPI's Allreduce in the same launches, this tree's against
+each TREE's) and the load average before and after::
 
     python scripts/bench_small_calls.py --compare /tmp/old-tree --launches 16
 
@@ -82,26 +83,23 @@ def _launch(tree, args):
 
 
 def compare(args):
-    trees = {"this": ROOT, "other": os.path.abspath(args.compare)}
+    trees = {"this": ROOT}
+    trees.update({f"other{i}" if len(args.compare) > 1 else "other": os.path.abspath(t)
+                  for i, t in enumerate(args.compare, 1)})
     records = {name: [] for name in trees}
     load_before = os.getloadavg()
+    names = list(trees)
     for i in range(args.launches):
-        for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each tree first in turn
             records[name].append(_launch(trees[name], args))
     load_after = os.getloadavg()
-
-    def median(name, key):
-        return statistics.median(r["us"][key] for r in records[name])
-
-    this, other = median("this", "ringtrain"), median("other", "ringtrain")
-    mpi = statistics.median([r["us"]["mpi"] for rs in records.values() for r in rs])
+    us = {name: statistics.median(r["us"]["ringtrain"] for r in records[name]) for name in trees}
+    us["mpi"] = statistics.median([r["us"]["mpi"] for rs in records.values() for r in rs])
     result = {
         "np": args.np, "bytes": args.bytes, "op": args.op, "launches": args.launches, "calls": args.calls,
-        "rounds": args.rounds, "this_tree": trees["this"], "other_tree": trees["other"],
-        "us": {"this": this, "other": other, "mpi": mpi},
-        "ratio_this_to_mpi": statistics.median(r["ratio_to_mpi"] for r in records["this"]),
-        "ratio_other_to_mpi": statistics.median(r["ratio_to_mpi"] for r in records["other"]),
-        "ratio_this_to_other": this / other,
+        "rounds": args.rounds, "trees": trees, "us": us,
+        "ratio_to_mpi": {name: statistics.median(r["ratio_to_mpi"] for r in records[name]) for name in trees},
+        "ratio_this_to": {name: us["this"] / us[name] for name in trees if name != "this"},
         "load_average_before": [round(v, 2) for v in load_before],
         "load_average_after": [round(v, 2) for v in load_after],
     }
@@ -114,7 +112,8 @@ def main():
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed batch")
     parser.add_argument("--rounds", type=int, default=15, help="timed batches per contestant in a launch")
     parser.add_argument("--op", choices=["sum", "max"], default="sum")
-    parser.add_argument("--compare", metavar="TREE", help="another ringtrain checkout to launch against, alternating")
+    parser.add_argument("--compare", metavar="TREE", nargs="+",
+                        help="other ringtrain checkouts to launch against, in turn")
     parser.add_argument("--launches", type=int, default=16, help="with --compare: launches of each tree")
     parser.add_argument("--np", type=int, default=2, help="with --compare: ranks per launch")
     args = parser.parse_args()
