@@ -99,6 +99,14 @@ def test_a_rank_that_raises_in_horovod_run_fails_the_call_and_names_the_rank():
     assert "results" not in result.stdout
 
 
+def test_a_rank_that_raises_under_mpirun_ends_the_job_instead_of_stranding_its_peers():
+    # Rank 0 waits in broadcast_parameters: the job must end (the runner aborts it), not hang.
+    result = run([find_mpirun(), "-np", "2"] + RUNNER + [PROGRAM, "--fail-on-rank", "1"], timeout=120,
+                 env=mpirun.test_env())
+    assert result.returncode not in (0, 2), show(result)
+    assert "ValueError: rank 1 fails on purpose" in result.stderr, show(result)
+
+
 def test_an_installed_horovod_is_not_shadowed_outside_the_runner(tmp_path):
     site = tmp_path / "site"
     (site / "horovod" / "torch").mkdir(parents=True)
