@@ -38,7 +38,7 @@ import torch
 from . import scope
 from .compression import Compression, reducer_compression
 from .exchange import GradientExchange, wire_dtype
-from .reduce_ops import Average, Max, Min, Sum
+from .reduce_ops import Average, Max, Min, Sum, op_name
 
 __all__ = ["DistributedOptimizer"]
 
@@ -245,8 +245,9 @@ def _plan(process_set, op, compression, predivide, named):
         return None
     names = {Average: "mean", Sum: "sum", Min: "min", Max: "max"}
     if op not in names:
-        raise NotImplementedError(f"DistributedOptimizer: op {op!r} is not implemented by ringtrain on more than "
-                                  f"one rank; use Average, Sum, Min or Max")
+        # By name (op_name raises ValueError for a value that is no op at all): Adasum, not "op 2".
+        raise NotImplementedError(f"DistributedOptimizer: op=hvd.{op_name(op).capitalize()} is not implemented by "
+                                  "ringtrain on more than one rank; use hvd.Average, hvd.Sum, hvd.Min or hvd.Max")
     for name, p in named:
         if p.requires_grad and wire_dtype(p.dtype) is None:
             raise ValueError(f"DistributedOptimizer: parameter {name!r} has dtype {p.dtype}; ringtrain reduces "
@@ -254,8 +255,8 @@ def _plan(process_set, op, compression, predivide, named):
     wire = reducer_compression(compression)
     if wire is False:
         raise NotImplementedError("DistributedOptimizer: only Compression.none and Compression.fp16 are supported")
-    op_name = names[op]
-    if op_name == "mean" and predivide != 1.0:
+    reduction = names[op]
+    if reduction == "mean" and predivide != 1.0:
         # Horovod's split average: 1/f before the sum, f/size after it.
         return comm, "sum", wire, 1.0 / predivide, predivide / size
-    return comm, op_name, wire, 1.0, 1.0
+    return comm, reduction, wire, 1.0, 1.0

@@ -32,7 +32,7 @@ from ..optim import learning_rate
 from ..watchdog import Watchdog, left_neighbour
 from .config import TrainConfig, validate
 from .evaluate import reduce_eval
-from .metrics import Meter, epoch_line, outcome_warnings
+from .metrics import Meter, epoch_line, final_line, outcome_warnings
 from .progress import Progress, choose_mode
 from .replicas import check_same_settings
 from .saving import Checkpointer, Diverged
@@ -207,6 +207,7 @@ class _Run:
     def _train_event(self, step, epoch):
         event = self.meter.take_window(step, epoch)
         if event is not None:
+            event["lr"] = learning_rate(step - 1, self.base_lr, warmup_steps=self.cfg.warmup_steps)  # its last step's
             self.last_train = event
             if _finite_loss(event) and (self.best_train is None or event["loss"] < self.best_train["loss"]):
                 self.best_train = event
@@ -245,9 +246,8 @@ class _Run:
         with self.phases.watched("final checkpoint broadcast", step):
             path, newest = self.comm.bcast((path, newest), root=0)
         self.log.event("done", step=step, epoch=epoch, stopped=stopped, checkpoint=path)
-        accuracy = self.last_eval.get("accuracy")
-        self.log.print(f"done: step {step}, epoch {epoch} ({stopped}); test accuracy "
-                       + (f"{accuracy:.2%}" if accuracy is not None else "n/a (the test set is empty)"))
+        self.log.print(final_line(stopped, step, epoch, index, self.plan.steps_per_epoch,
+                                  self.last_eval.get("accuracy")))
         for line in outcome_warnings(self.best_train, self.last_train, self.last_eval, self.data.num_classes):
             self.log.warn(line)
         _write_timeline(self, step)

@@ -115,7 +115,7 @@ def test_settings_that_only_change_the_future_are_listed_in_one_notice(finished,
     notices = [line for line in result.stdout.splitlines() if "changed since the checkpoint" in line]
     assert notices == ["ringtrain: settings changed since the checkpoint: --epochs 2 (was 1), --lr 0.05 (was 0.1), "
                        "--keep 5 (was 3)"], show(result)
-    assert "resumed from" in result.stdout and "done: step 80" in result.stdout, show(result)
+    assert "resumed from" in result.stdout and "finished: step 80, 2 epochs done" in result.stdout, show(result)
 
 
 def test_a_different_rank_count_is_refused_for_auto_and_a_warning_for_an_explicit_path(finished, tmp_path):

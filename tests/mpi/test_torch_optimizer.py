@@ -208,6 +208,22 @@ def test_too_many_backward_passes_is_refused():
     assert message is not None and "more than backward_passes_per_step" in message
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_op_ringtrain_does_not_reduce_is_named():
+    model = _net(torch.float64)
+    messages = {}
+    for op in (hvd.Adasum, hvd.Product, 7):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), op=op)
+        except (NotImplementedError, ValueError) as exc:
+            messages[op] = f"{type(exc).__name__}: {exc}"
+    assert messages[hvd.Adasum].startswith("NotImplementedError: DistributedOptimizer: op=hvd.Adasum is not "
+                                           "implemented by ringtrain on more than one rank; use hvd.Average"), messages
+    assert "op=hvd.Product is not implemented" in messages[hvd.Product], messages
+    assert messages[7].startswith("ValueError: unknown reduction op 7; choose one of average (0)"), messages
+
+
 STATEFUL = ["ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"]
 
 
