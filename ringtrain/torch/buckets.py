@@ -29,8 +29,11 @@ dense (``to_sparse`` again on the way back).
 
 Contract (every rank of the communicator): the constructor and
 :meth:`finish` are collective, and every rank must build the buckets for
-parameters of the same shapes and dtypes in the same order (what
-:func:`ringtrain.torch.optimizer.DistributedOptimizer` agrees on first).
+parameters of the same shapes and dtypes in the same order, with the same
+op, compression and factors. :func:`match_problem` is that contract as a
+pure function over every rank's description, which
+:func:`~ringtrain.torch.DistributedOptimizer` gathers before it builds the
+buckets: by parameter name when the user named them, else by position.
 """
 
 import torch
@@ -40,7 +43,7 @@ from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
 from .interop import as_array
 
-__all__ = ["GradientBuckets", "wire_dtype"]
+__all__ = ["GradientBuckets", "match_problem", "wire_dtype"]
 
 # Gradients whose dtype the transports do not take travel as a wider float.
 _WIRE = {torch.bfloat16: torch.float32, torch.complex64: torch.float32, torch.complex128: torch.float64}
@@ -190,3 +193,67 @@ def _stage(grad, slot, prescale):
     # after the sum is applied would leave the gradient f times too large.
     if prescale != 1.0:
         slot.mul_(prescale)
+
+
+_FIELDS = ("shape", "dtype", "device")
+
+
+def match_problem(records, ranks, by_name):
+    """What stops the ranks' gradients from being matched and reduced alike, as one line, or None (pure).
+
+    Args:
+        records: one dict per member, in the set's rank order: ``refused``
+            (its own argument error, or None), ``reduction`` (op and
+            compression by name, predivide factor's ``repr``, so that NaN
+            equals NaN) and ``params``
+            (``(name, shape, dtype, device type)`` of each trained
+            parameter, in its optimizer's order).
+        ranks: the members' ranks, for the message.
+        by_name: match parameters by name (else by position).
+    """
+    for rank, record in zip(ranks, records):
+        if record["refused"] is not None:
+            return f"rank {rank} refused its arguments: {record['refused']}"
+    first = records[0]
+    for rank, record in zip(ranks[1:], records[1:]):
+        for field, a, b in zip(("op", "compression", "gradient_predivide_factor"), first["reduction"],
+                               record["reduction"]):
+            if a != b:
+                return (f"{field} is {a} on rank {ranks[0]} and {b} on rank {rank}; pass the same op, compression "
+                        "and gradient_predivide_factor on every rank")
+        problem = (_by_name if by_name else _by_position)(first["params"], record["params"], ranks[0], rank)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _by_name(root, other, root_rank, rank):
+    theirs = {name: rest for name, *rest in other}
+    mine = {name: rest for name, *rest in root}
+    for name in [n for n, *_ in root if n not in theirs] + [n for n, *_ in other if n not in mine]:
+        there, absent = (root_rank, rank) if name in mine else (rank, root_rank)
+        return (f"parameter {name!r} is trained on rank {there} but not on rank {absent}; name the same trained "
+                "parameters (requires_grad=True) on every rank")
+    for name, *rest in root:
+        for field, a, b in zip(_FIELDS, rest, theirs[name]):
+            if a != b:
+                return (f"parameter {name!r} has {field} {_show(a)} on rank {root_rank} and {_show(b)} on rank "
+                        f"{rank}; build the same model on every rank")
+    return None
+
+
+def _by_position(root, other, root_rank, rank):
+    if len(root) != len(other):
+        return (f"rank {root_rank} trains {len(root)} parameters and rank {rank} {len(other)}; build the same "
+                "model and optimizer on every rank")
+    for i, ((name, *a), (_, *b)) in enumerate(zip(root, other)):
+        for field, x, y in zip(_FIELDS, a, b):
+            if x != y:
+                return (f"trained parameter {i} ({name} on rank {root_rank}) has {field} {_show(x)} there and "
+                        f"{_show(y)} on rank {rank}; pass named_parameters=model.named_parameters() to match "
+                        "gradients by name, or list the parameters in the same order on every rank")
+    return None
+
+
+def _show(value):
+    return str(value).replace("torch.", "") if not isinstance(value, tuple) else str(tuple(value))

@@ -24,7 +24,7 @@ from .errors import CollectiveMismatchError
 from .interop import broadcast_tensors_
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-           "groups_problem"]
+           "group_layout", "groups_problem"]
 
 
 def _comm(process_set):
@@ -130,7 +130,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
         _initialise_state(optimizer, model)
         state_dict = optimizer.state_dict()
     root = scope.set_rank(process_set, root_rank)
-    layouts = allgather_object((runtime.rank(), _group_layout(optimizer, state_dict)), process_set=process_set)
+    layouts = allgather_object((runtime.rank(), group_layout(optimizer, state_dict)), process_set=process_set)
     problem = groups_problem([layout for _, layout in layouts], [r for r, _ in layouts], root)
     if problem is not None:
         raise CollectiveMismatchError(f"broadcast_optimizer_state: {problem}")
@@ -155,8 +155,14 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
         target[name] = value
 
 
-def _group_layout(optimizer, state_dict):
-    """Per group: its option names, and per parameter its shape and state (name, shape or type); comparable."""
+def group_layout(optimizer, state_dict=None):
+    """What must match the root's for a broadcast of ``optimizer``'s state, as plain comparable values (pure).
+
+    Per parameter group: its option names, and per parameter its shape and
+    its state's entries (name, shape and dtype of a tensor, or type of a
+    plain value).
+    """
+    state_dict = optimizer.state_dict() if state_dict is None else state_dict
     layout = []
     for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
         params = []
@@ -173,7 +179,7 @@ def groups_problem(layouts, ranks, root):
     """Why the ranks' optimizers cannot take the root's state group by group, as one line, or None (pure).
 
     Args:
-        layouts: one :func:`_group_layout` per member, in the set's rank order.
+        layouts: one :func:`group_layout` per member, in the set's rank order.
         ranks: the members' ranks, for the message.
         root: the root's index in ``layouts``.
     """
@@ -201,7 +207,7 @@ def groups_problem(layouts, ranks, root):
 
 
 def _names(state):
-    """``(exp_avg (3, 4) float32, step () float32)`` for a parameter's state from :func:`_group_layout`."""
+    """``(exp_avg (3, 4) float32, step () float32)`` for a parameter's state from :func:`group_layout`."""
     return "(" + (", ".join(" ".join(map(str, entry)) for entry in state) or "none") + ")"
 
 

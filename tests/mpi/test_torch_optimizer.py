@@ -547,9 +547,9 @@ def test_parameters_are_averaged_in_place_under_no_grad():
     for p in params:
         w = p.detach().numpy().copy()
         comm.Allreduce(MPI.IN_PLACE, w)
-        want.append(torch.from_numpy(w))
-    with torch.no_grad():
-        returned = [hvd.allreduce_(p, op=hvd.Sum, name=f"avg.{i}") for i, p in enumerate(params)]
+        want.append(torch.from_numpy(w / size))
+    with torch.no_grad():  # averages: the sums are scaled in place too
+        returned = [hvd.allreduce_(p, name=f"avg.{i}") for i, p in enumerate(params)]
         grouped = hvd.grouped_allreduce_(params, name="avg.grouped")  # an average of equal values changes none
         hvd.broadcast_(params[0], root_rank=size - 1, name="avg.root")
     assert all(r is p for r, p in zip(returned + grouped, params + params))
@@ -586,3 +586,13 @@ def test_a_sparse_tensor_is_refused_with_the_fix():
 def test_nan_factors_on_every_rank_are_not_a_mismatch():
     out = hvd.allreduce(torch.ones(3), prescale_factor=float("nan"), name="nan-prescale")
     assert torch.isnan(out).all()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="engine: its thread scales in-place outputs under autograd, without the caller's no_grad")
+def test_async_in_place_ops_take_a_parameter_under_no_grad():
+    p = torch.nn.Parameter(torch.full((3,), float(rank)))
+    with torch.no_grad():  # an average: the engine scales the sum in place
+        out = hvd.synchronize(hvd.allreduce_async_(p, name="async-param"))
+    assert out is p and torch.equal(p.detach(), torch.full((3,), sum(range(size)) / size))
