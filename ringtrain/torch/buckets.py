@@ -230,10 +230,11 @@ def match_problem(records, ranks, by_name):
 def _by_name(root, other, root_rank, rank):
     theirs = {name: rest for name, *rest in other}
     mine = {name: rest for name, *rest in root}
-    for name in [n for n, *_ in root if n not in theirs] + [n for n, *_ in other if n not in mine]:
-        there, absent = (root_rank, rank) if name in mine else (rank, root_rank)
-        return (f"parameter {name!r} is trained on rank {there} but not on rank {absent}; name the same trained "
-                "parameters (requires_grad=True) on every rank")
+    missing = [n for n in mine if n not in theirs] + [n for n in theirs if n not in mine]
+    if missing:
+        there, absent = (root_rank, rank) if missing[0] in mine else (rank, root_rank)
+        return (f"parameter {missing[0]!r} is trained on rank {there} but not on rank {absent}; name the same "
+                "trained parameters (requires_grad=True) on every rank")
     for name, *rest in root:
         for field, a, b in zip(_FIELDS, rest, theirs[name]):
             if a != b:
@@ -256,4 +257,4 @@ def _by_position(root, other, root_rank, rank):
 
 
 def _show(value):
-    return str(value).replace("torch.", "") if not isinstance(value, tuple) else str(tuple(value))
+    return str(value).replace("torch.", "")  # torch.float32 -> float32; shapes as tuples

@@ -256,18 +256,30 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             ranks' parameters cannot be matched, when they would reduce them
             differently, or when another rank raised one of the above.
     """
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                       DeprecationWarning, stacklevel=2)
         groups = num_groups if groups is None else groups
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    named = _named(optimizer, named_parameters)
-    _check_groups(groups)
-    plan = _agreed_plan(process_set, op, compression, gradient_predivide_factor, named,
-                        by_name=named_parameters is not None)
+    comm = scope.communicator_of(process_set) if scope.included(process_set) else None
+    if comm is not None and comm.Get_size() == 1:
+        comm = None  # one rank: nothing to reduce, nobody to agree with
+    named, plan, refusal = [], None, None
+    try:  # Horovod's argument errors; on more than one rank, only once every member has heard of them
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        named = _named(optimizer, named_parameters)
+        _check_groups(groups)
+        if comm is not None:
+            plan = _plan(comm, op, compression, gradient_predivide_factor, named)
+    except (ValueError, NotImplementedError) as exc:
+        refusal = exc
+    if comm is not None:
+        _agree(plan, refusal, named, (op, compression, gradient_predivide_factor), named_parameters is not None,
+               process_set)
+    if refusal is not None:
+        raise refusal
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {"__module__": __name__})
     wrapped = cls(optimizer.param_groups)
     wrapped._setup(optimizer, named, backward_passes_per_step, plan, process_set)
@@ -361,32 +373,26 @@ def _plan(comm, op, compression, predivide, named):
     return _Plan(comm, _OPS[op], wire, 1.0, 1.0)
 
 
-def _agreed_plan(process_set, op, compression, predivide, named, by_name):
-    """The :class:`_Plan` every member agreed on, or None when there is nothing to reduce (collective).
+def _agree(plan, refusal, named, reduction, by_name, process_set):
+    """Check with every member that all can reduce alike; set ``plan.layout`` to the agreed order (collective).
 
-    One allgather of every member's parameters and arguments; every member
-    then reaches the same verdict from the same records, so a refusal is
-    raised on every member and none is left waiting in a later collective.
+    One allgather of every member's trained parameters, reduction arguments
+    and argument error (``refusal``); every member then reaches the same
+    verdict from the same records, so a mismatch is raised on every member,
+    and a member's own argument error is named on the others instead of
+    leaving them waiting in a later collective. Returns with ``refusal``
+    for the caller to raise.
     """
-    if not scope.included(process_set):
-        return None
-    comm = scope.communicator_of(process_set)
-    if comm.Get_size() == 1:
-        return None
-    plan, refusal = None, None
-    try:
-        plan = _plan(comm, op, compression, predivide, named)
-    except (ValueError, NotImplementedError) as exc:
-        refusal = exc
+    op, compression, predivide = reduction
     trained = [(name, p) for name, p in named if p.requires_grad]
-    refused = None if refusal is None else str(refusal).removeprefix("DistributedOptimizer: ")
-    record = {"rank": runtime.rank(), "refused": refused,
+    record = {"rank": runtime.rank(),
+              "refused": None if refusal is None else str(refusal).removeprefix("DistributedOptimizer: "),
               "reduction": (_OPS.get(op, repr(op)), _COMPRESSIONS.get(compression, repr(compression)),
-                            repr(float(predivide))),
+                            repr(float(predivide)) if isinstance(predivide, (int, float)) else repr(predivide)),
               "params": [(name, tuple(p.shape), str(p.dtype), p.device.type) for name, p in trained]}
     records = allgather_object(record, process_set=process_set)
     if refusal is not None:
-        raise refusal  # the same verdict below would name it; this rank's own error keeps Horovod's type
+        return  # this rank's own error, raised by the caller, keeps Horovod's type
     problem = match_problem(records, [r["rank"] for r in records], by_name)
     if problem is not None:
         raise CollectiveMismatchError(f"DistributedOptimizer: {problem}")
@@ -395,4 +401,3 @@ def _agreed_plan(process_set, op, compression, predivide, named, by_name):
         plan.layout = [(name, mine[name]) for name, *_ in records[0]["params"]]
     else:
         plan.layout = trained
-    return plan

@@ -46,12 +46,13 @@ def test_optimizers_that_cannot_be_matched_are_refused_on_every_rank(size, tmp_p
         message = seen[0]["message"]
         assert all(s["message"] == message for s in seen), seen  # the same verdict, whichever rank found it
         assert "\n" not in message and message.startswith(start) and all(w in message for w in words), message
-    # A compressor only side b passed: b raises its own NotImplementedError, rank 0 one that names it.
-    refused = [r["refused"] for r in ranks]
-    assert refused[0]["outcome"] == "CollectiveMismatchError", refused
-    assert all(r["outcome"] == "NotImplementedError" for r in refused[1:]), refused
-    assert refused[0]["message"] == ("DistributedOptimizer: rank 1 refused its arguments: "
-                                     + refused[1]["message"].removeprefix("DistributedOptimizer: "))
+    # Arguments only side b's ranks refuse: each raises its own error (Horovod's type), rank 0 one naming rank 1's.
+    for case, own in (("refused", "NotImplementedError"), ("unnamed", "ValueError")):
+        seen = [r[case] for r in ranks]
+        assert seen[0]["outcome"] == "CollectiveMismatchError" and seen[0]["everywhere"], seen
+        assert all(s["outcome"] == own for s in seen[1:]), seen
+        assert seen[0]["message"] == ("DistributedOptimizer: rank 1 refused its arguments: "
+                                      + seen[1]["message"].removeprefix("DistributedOptimizer: ")), seen
     # Groups that match: every rank ends with the root's options.
     assert all(r["options"]["outcome"] == "ok" for r in ranks), [r["options"] for r in ranks]
     assert all(r["options"]["value"] == ranks[0]["options"]["value"] for r in ranks)

@@ -43,6 +43,13 @@ def named(model, **kwargs):
                                     named_parameters=model.named_parameters(), **kwargs)
 
 
+def unnamed(b):
+    # Side b leaves a parameter out of the names: Horovod's ValueError there, and no rank left waiting.
+    model = net()
+    names = list(model.named_parameters())[: -1 if b else None]
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=names)
+
+
 def groups_optimizer(b, lr=0.1, momentum=0.9, split=False):
     model = net()
     if split:  # two groups where the root has one
@@ -63,6 +70,7 @@ CASES = {
     "shapes": lambda b: named(net(head=5 if b else 2)),
     "reduction": lambda b: named(net(), op=hvd.Sum if b else hvd.Average),
     "refused": lambda b: named(net(), compression=Custom if b else hvd.Compression.none),
+    "unnamed": unnamed,
     "groups": lambda b: hvd.broadcast_optimizer_state(groups_optimizer(b, split=b), root_rank=0),
     "options": options,
 }
