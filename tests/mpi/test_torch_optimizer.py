@@ -441,15 +441,16 @@ def test_buckets_are_handed_over_while_backward_runs(monkeypatch):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
+@pytest.mark.parametrize("sparse_as_dense, predivide", [(False, 1.0), (True, 1.0), (False, 4.0)])
+def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense, predivide):
     # Each rank looks up its own rows; the reference sums every rank's lookups on one embedding.
     def build():
         torch.manual_seed(3)
         return torch.nn.Embedding(10, 3, sparse=True).double()
 
     emb, reference = build(), build()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), sparse_as_dense=sparse_as_dense)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=predivide)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     ids = [torch.tensor([r % 10, (3 * r + 1) % 10, 7]) for r in range(size)]
     for _ in range(2):
