@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -10,3 +12,15 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "mpi" and collection_path.parent.name == "tests":
         return not config.getoption("with_mpi", default=False)
     return None
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A one-node Slurm (tests/slurm.py), started once per session; skips, saying why, where it cannot run."""
+    from slurm import Slurm, why_unavailable
+
+    reason = why_unavailable()
+    if reason is not None:
+        pytest.skip(f"no one-node Slurm here: {reason}")
+    with Slurm() as cluster:
+        yield cluster
