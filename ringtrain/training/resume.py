@@ -258,9 +258,10 @@ def _check_settings(found, cfg, size, warn, fingerprint=None):
     ranks = meta.get("world_size")
     if ranks not in (None, size):
         # The position is kept in samples, so the rest of the epoch is exact at any rank count.
+        rest = (f"; the rest of epoch {meta['epoch'] + 1} trains on exactly the samples it had not reached"
+                if meta["step_in_epoch"] else "")
         warn(f"resuming a {ranks}-rank run on {size} ranks: the data order differs from here on, so results will "
-             f"not match a {ranks}-rank run bitwise; the rest of epoch {meta['epoch'] + 1} trains on exactly the "
-             "samples it had not reached")
+             f"not match a {ranks}-rank run bitwise{rest}")
     if not changed:
         return None
     return "ringtrain: settings changed since the checkpoint: " + ", ".join(
