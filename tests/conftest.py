@@ -15,12 +15,27 @@ def pytest_ignore_collect(collection_path, config):
 
 
 @pytest.fixture(scope="session")
-def slurm():
-    """A one-node Slurm (tests/slurm.py), started once per session; skips, saying why, where it cannot run."""
-    from slurm import Slurm, why_unavailable
+def slurm_session():
+    """The session's one Slurm at a time (tests/slurm.py); skips, saying why, where none can be started."""
+    from slurm import SlurmSession, why_unavailable
 
     reason = why_unavailable()
     if reason is not None:
-        pytest.skip(f"no one-node Slurm here: {reason}")
-    with Slurm() as cluster:
-        yield cluster
+        pytest.skip(f"no Slurm here: {reason}")
+    session = SlurmSession()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+@pytest.fixture
+def slurm(slurm_session):
+    """A one-node Slurm on this machine, started once and kept for the tests that follow."""
+    return slurm_session.one_node()
+
+
+@pytest.fixture
+def slurm_two_nodes(slurm_session):
+    """A Slurm with a slurmd on each of two network-namespace hosts."""
+    return slurm_session.two_nodes()

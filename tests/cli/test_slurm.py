@@ -9,6 +9,9 @@
   (``scancel -s USR1``, what ``--signal`` and a preemption send) requeues
   itself, resumes, and ends with parameters bitwise equal to the straight
   ``srun`` run's; it also read the job's time limit from ``squeue``.
+* Last, on a second Slurm whose two nodes are the suite's network-namespace
+  hosts (tests/netns.py), ``srun -N 2`` trains one job across both, its
+  traffic crossing the virtual network.
 
 Every command is a string that the documentation shows verbatim
 (test_the_docs_show_the_commands_these_tests_run); each runs from a fresh
@@ -36,11 +39,14 @@ SALLOC_MPIRUN = "salloc -n 2 mpirun -np 2 ringtrain info"
 SALLOC_LAUNCH = "salloc -n 2 ringtrain launch -- ringtrain info"
 SBATCH = f"sbatch {JOB_SCRIPT}"
 SIGNAL = "scancel -s USR1 $JOBID"
-COMMANDS = (SRUN, SRUN_WITHOUT_PLUGIN, SALLOC_MPIRUN, SALLOC_LAUNCH, SBATCH, SIGNAL)
+SRUN_TWO_NODES = "srun --mpi=pmi2 -N 2 -n 2 ringtrain train --dataset digits --epochs 2 --run-dir runs/two-nodes"
+INFO_TWO_NODES = "srun --mpi=pmi2 -N 2 -n 2 ringtrain info"
+COMMANDS = (SRUN, SRUN_WITHOUT_PLUGIN, SALLOC_MPIRUN, SALLOC_LAUNCH, SBATCH, SIGNAL, SRUN_TWO_NODES, INFO_TWO_NODES)
 
 
 def shell(slurm, command, cwd, timeout=180):
-    return run(["bash", "-c", command], timeout=timeout, env=slurm.env, cwd=str(cwd))
+    """``command`` through bash where Slurm's commands reach the controller (its first node), in ``cwd``."""
+    return run(slurm.command(["bash", "-c", command]), timeout=timeout, env=slurm.env, cwd=str(cwd))
 
 
 def final_checkpoint(run_dir):
@@ -58,10 +64,10 @@ def test_the_docs_show_the_commands_these_tests_run():
 
 
 @pytest.fixture(scope="module")
-def straight(slurm, tmp_path_factory):
+def straight(slurm_session, tmp_path_factory):
     """The documented srun command, trained to its end: the reference for the preempted job."""
     where = tmp_path_factory.mktemp("srun")
-    result = shell(slurm, SRUN, where)
+    result = shell(slurm_session.one_node(), SRUN, where)
     return where, result
 
 
@@ -158,3 +164,20 @@ def _epoch(stamp):
     """Seconds since the epoch of Slurm's local-time stamp ``2026-11-26T17:21:44``."""
     return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
 
+
+
+def test_srun_spans_two_nodes_on_the_namespace_hosts(slurm_two_nodes, tmp_path):
+    cluster = slurm_two_nodes.cluster
+    info = shell(slurm_two_nodes, INFO_TWO_NODES, tmp_path)
+    assert info.returncode == 0, show(info)
+    assert "ringtrain: 2 rank(s) on 2 node(s)" in info.stdout, show(info)
+    assert re.search(r"^0\s+h1\s+0/1\s+0/2", info.stdout, re.M) and re.search(r"^1\s+h2\s+0/1\s+1/2", info.stdout,
+                                                                            re.M), show(info)
+    received, sent = cluster.iface_bytes("h2")
+    result = shell(slurm_two_nodes, SRUN_TWO_NODES, tmp_path)
+    assert result.returncode == 0 and result.stdout.count("ringtrain: 2 rank(s)") == 1, show(result)
+    _, meta = final_checkpoint(tmp_path / "runs" / "two-nodes")
+    assert meta["world_size"] == 2 and meta["epoch"] == 2, meta
+    # The gradients crossed h2's veth: far more than Slurm's own messages.
+    now_received, now_sent = cluster.iface_bytes("h2")
+    assert now_received - received > 1_000_000 and now_sent - sent > 1_000_000, (received, now_received)
