@@ -297,6 +297,8 @@ def _deadline(run):
         return Deadline(None)
     seconds, source = time_left(os.environ)
     if seconds is None:
+        if source not in ("not in a Slurm job", "no time limit"):
+            run.log.warn(f"cannot read the Slurm job's time limit ({source}); training runs until a signal stops it")
         return Deadline(None)
     # The checkpoint holds the parameters and up to two optimizer buffers per parameter (Adam's moments).
     size = 3 * sum(int(p.nbytes) for p in run.model.params.values())
