@@ -4,7 +4,7 @@ The job's end comes from ``SLURM_JOB_END_TIME`` (what Slurm 23.02 and later
 set; tests/cli/test_slurm.py covers ``squeue`` on a real Slurm 22.05). It is
 set 16 s ahead, within the rule's fixed 15 s slack of the first step, so the
 run stops at once: the test needs no wait and no timing. The margin rule
-itself is tested with a clock in tests/unit/test_slurm.py.
+itself is tested with a clock in tests/unit/test_slurm_variables.py.
 """
 
 import os
