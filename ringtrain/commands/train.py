@@ -96,7 +96,7 @@ def prepare(args):
 
 
 def run(args, cfg):
-    """Train; the exit status says how the run ended (see the README's exit statuses).
+    """Train; the exit status says how the run ended (docs/troubleshooting.md lists the exit statuses).
 
     0 when it finished with its final checkpoint on disk; 130, 143 or 138
     when a signal stopped it, 75 when it stopped before the Slurm job's time

@@ -1,4 +1,4 @@
-"""The package's layout, as promised in the README: wings, small classes, no cycles, no upward arrows.
+"""The package's layout, as docs/development.md describes it: wings, small classes, no cycles, no upward arrows.
 
 Read from the source with ``ast`` (nothing is imported), so a move that
 breaks the house fails here with the module's name, not at a user's import.
