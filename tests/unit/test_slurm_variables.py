@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from ringtrain.cluster.hostfiles import Host
+from ringtrain.cluster.jobs import should_restart
 from ringtrain.cluster.launch import check_request, slurm_request
 from ringtrain.cluster.slurm import (allocation_hosts, allocation_tasks, expand_counts, expand_hostlist,
                                      parse_time_left, step_tasks, time_left)
@@ -192,6 +193,11 @@ def test_the_deadline_stops_once_the_time_left_is_within_the_margin_of_measured_
     assert not deadline.reached() and 100 - clock.now > deadline.margin()
     clock.now = 61.0  # a 3 s step: the margin grows to slack + 2 x (3 + 9 + 5) = 49 s, and 39 s are left
     assert deadline.reached() and deadline.margin() == EXIT_SLACK + 34
+
+
+def test_launch_does_not_restart_a_run_that_stopped_before_the_time_limit():
+    assert should_restart(75, 0, 3) is False  # no time left in the job: its requeue goes on, not a restart
+    assert should_restart(138, 0, 3) is True
 
 
 def test_no_limit_never_stops_and_the_checkpoint_is_assumed_slow_until_timed():
