@@ -241,11 +241,6 @@ def _check_settings(found, cfg, size, warn, fingerprint=None):
     """Refuse a checkpoint whose settings do not fit; return the notice line for those that changed, or None."""
     path, _, meta = found
     _check_meta(path, meta)
-    try:
-        position_from_meta(meta, cfg.batch_size, size)
-    except ValueError as exc:
-        raise UsageError(f"checkpoint {path}: damaged metadata ({DATA_POSITION}: {exc}); give another --resume "
-                         "PATH, or --resume none") from None
     auto = cfg.resume == "auto"
     refused, changed = resume_differences(_same_data(path, meta, cfg, fingerprint), cfg)
     if refused is not None:
@@ -255,6 +250,11 @@ def _check_settings(found, cfg, size, warn, fingerprint=None):
                     else f"give {flag} {_shown(then)}, or --resume none to start afresh")
         raise UsageError(f"--resume {cfg.resume}: cannot resume from {path}: it was trained with {flag} "
                          f"{_shown(then)} and this run has {flag} {_shown(now)}, which changes {why}; {ways_out}")
+    try:  # after the settings: a changed --batch-size is said as such, not as a damaged position
+        position_from_meta(meta, cfg.batch_size, size)
+    except ValueError as exc:
+        raise UsageError(f"checkpoint {path}: damaged metadata ({DATA_POSITION}: {exc}); give another --resume "
+                         "PATH, or --resume none") from None
     ranks = meta.get("world_size")
     if ranks not in (None, size):
         # The position is kept in samples, so the rest of the epoch is exact at any rank count.

@@ -46,3 +46,26 @@ def test_a_resume_on_more_or_fewer_ranks_skips_and_repeats_no_sample_of_the_epoc
         steps_after = len(after) // (m * BATCH)
         assert final == {"step": records[pair]["cut"] + steps_after, "epoch": 1, "step_in_epoch": 0,
                          "world_size": m, "data_position": {"epoch": 1, "parts": []}}, (pair, final)
+
+
+def test_a_damaged_position_is_one_line_and_exit_2(tmp_path):
+    from mpirun import ringtrain
+    from refusals import assert_refused
+    from ringtrain.io.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
+
+    small = ["--dataset", "synthetic", "--samples", "200", "--features", "8", "--classes", "3", "--hidden", "8",
+             "--batch-size", "8", "--epochs", "1", "--no-progress"]
+    first = mpirun(2, ringtrain("train", *small, "--run-dir", str(tmp_path / "run"), "--max-steps", "3"), timeout=90)
+    assert first.returncode == 0, show(first)
+    arrays, meta = read_checkpoint(list_checkpoints(tmp_path / "run" / "checkpoints")[0])
+    meta = {k: v for k, v in meta.items() if k not in ("format", "format_version", "sha256")}
+    meta["data_position"] = {"epoch": 0, "parts": [[2, 41]]}  # not a whole number of 2 x 8 steps
+
+    def crafted(where):
+        save_checkpoint(where / "crafted", meta["step"], arrays, meta)
+
+    assert_refused(tmp_path / "case", ["train", *small, "--run-dir", "{tmp}/again", "--resume",
+                                       "{tmp}/crafted/ckpt-00000003.npz"],
+                   "damaged metadata (data_position: 41 samples is not a whole number of steps of 2 rank(s) x batch "
+                   "size 8); give another --resume PATH, or --resume none",
+                   lambda command: mpirun(2, command, timeout=90), crafted)
