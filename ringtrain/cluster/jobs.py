@@ -28,8 +28,10 @@ __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line
 
 # Statuses a restart cannot fix: 2 is a usage error (a bad flag or file, the
 # same on the next run); 4 is a diverged training run (restarted with the same
-# --lr it diverges again); 126 and 127 are a command that cannot be run.
-NO_RESTART_STATUSES = (2, 4, 126, 127)
+# --lr it diverges again); 75 is a run that stopped before its Slurm job's
+# time limit (a restart has no time left; the job's requeue goes on); 126 and
+# 127 are a command that cannot be run.
+NO_RESTART_STATUSES = (2, 4, 75, 126, 127)
 
 
 def exit_status(returncode):

@@ -32,6 +32,7 @@ import tempfile
 from ..errors import UsageError
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import report_success, run_with_restarts
+from .slurm import allocation_hosts, allocation_tasks, step_tasks
 
 __all__ = [
     "RANK_VARIABLES",
@@ -52,6 +53,7 @@ __all__ = [
     "check_logdir",
     "make_logdir",
     "plan_launch",
+    "slurm_request",
     "launch",
 ]
 
@@ -257,13 +259,47 @@ def _inside_mpi_job(env):
 
 
 def check_request(np, command, hostfile=None, host_list=None, env=None):
-    """The checks that need no file or MPI: a command, one host source, not under mpirun (pure)."""
+    """The checks that need no file or MPI: a command, one host source, one copy of the launcher (pure)."""
+    env = os.environ if env is None else env
     if not command:
         raise UsageError("no command given; put it after '--', e.g. ringtrain launch -np 2 -- ringtrain info")
     if hostfile and host_list:
         raise UsageError("give --hostfile or -H, not both")
-    if _inside_mpi_job(os.environ if env is None else env):
+    _check_one_copy(env)
+    if _inside_mpi_job(env):
         raise UsageError("ringtrain launch starts mpirun itself; run it without mpirun")
+
+
+def _check_one_copy(env):
+    """Refuse a launcher that srun or torchrun started several copies of: each would start the whole job."""
+    tasks = step_tasks(env)
+    if tasks is not None and tasks > 1:
+        raise UsageError(f"srun started {tasks} copies of ringtrain launch (SLURM_STEP_NUM_TASKS={tasks}), each of "
+                         "which would start the whole job; run it once, in the batch script or under salloc, "
+                         "where it takes the allocation's hosts")
+    size = env.get("WORLD_SIZE", "")
+    if size.isdigit() and int(size) > 1:
+        raise UsageError(f"torchrun started {size} copies of ringtrain launch (WORLD_SIZE={size}), each of which "
+                         "would start the whole job; run it once, without torchrun")
+
+
+def slurm_request(np, hostfile, host_list, env):
+    """``(np, hosts)`` inside a Slurm allocation when no hosts were given: the allocation's (pure).
+
+    Outside an allocation, or with ``--hostfile``/``-H``, ``(np, None)``.
+    ``np`` defaults to ``SLURM_NTASKS``; without an allocation it is required.
+    """
+    hosts = None
+    if not (hostfile or host_list):
+        try:
+            hosts = allocation_hosts(env)
+        except ValueError as exc:
+            raise UsageError(f"cannot read the Slurm allocation's hosts: {exc}; give --hostfile or -H") from None
+    if np is None:
+        np = allocation_tasks(env) if hosts else None
+        if np is None:
+            raise UsageError("-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)")
+    return np, hosts
 
 
 def _check_restarts(restarts, delay):
@@ -332,11 +368,17 @@ def check_runnable(command, path=None):
 
 
 def plan_launch(np, command, *, hostfile=None, host_list=None, logdir=None, mpirun=None,
-                oversubscribe=False):
-    """Check a request and decide everything about the job; writes and starts nothing."""
-    check_request(np, command, hostfile, host_list)
+                oversubscribe=False, env=None):
+    """Check a request and decide everything about the job; writes and starts nothing.
+
+    Inside a Slurm allocation without ``hostfile`` or ``host_list``, the
+    hosts and (when ``np`` is None) the rank count are the allocation's.
+    """
+    env = os.environ if env is None else env
+    check_request(np, command, hostfile, host_list, env)
+    np, hosts = slurm_request(np, hostfile, host_list, env)
     mpirun = _resolve_mpirun(mpirun)
-    hosts = read_hostfile(hostfile) if hostfile else parse_host_list(host_list) if host_list else None
+    hosts = read_hostfile(hostfile) if hostfile else parse_host_list(host_list) if host_list else hosts
     check_np(np, hosts, cpu_count=os.cpu_count(), oversubscribe=oversubscribe)
     logdir = os.path.abspath(logdir) if logdir is not None else None
     if logdir is not None:
@@ -422,11 +464,12 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
     launcher waits for it to end.
 
     Args:
-        np: number of ranks (at least 1).
+        np: number of ranks (at least 1); None inside a Slurm allocation: its ``SLURM_NTASKS``.
         command: the program and its arguments, run on every rank.
         hostfile: a hostfile in Open MPI or MPICH syntax; it is rewritten in the
             syntax the detected MPI reads.
-        host_list: ``"host1:2,host2:2"``, instead of a hostfile.
+        host_list: ``"host1:2,host2:2"``, instead of a hostfile. Without
+            either, inside a Slurm allocation, the allocation's hosts.
         logdir: write each rank's output to ``logdir/rank-R.log``; on failure
             the failing rank's last lines are printed.
         dry_run: print the command (and the translated hostfile) and stop.
@@ -451,6 +494,9 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
                                restart_delay, oversubscribe, elastic, stdout, stderr)
     plan = plan_launch(np, command, hostfile=hostfile, host_list=host_list, logdir=logdir,
                        mpirun=mpirun, oversubscribe=oversubscribe)
+    if plan.hosts and not (hostfile or host_list):
+        print(f"ringtrain launch: {plan.np} rank(s) on Slurm job {os.environ.get('SLURM_JOB_ID')}'s hosts: "
+              + ",".join(f"{h.name}:{h.slots}" for h in plan.hosts), file=stderr, flush=True)
     if check:
         _run_host_checks(plan, stderr)
     if dry_run:
@@ -486,6 +532,8 @@ def _launch_elastic(np, command, hostfile, host_list, logdir, dry_run, mpirun, c
 
     if restarts:
         raise UsageError("--restarts is for a job of fixed size; with the elastic flags give --reset-limit")
+    if np is None:
+        raise UsageError("the elastic flags need -np N, the number of ranks of the first start")
     check_request(np, command, hostfile, host_list)
     mpirun = _resolve_mpirun(mpirun)
     logdir = os.path.abspath(logdir) if logdir is not None else None

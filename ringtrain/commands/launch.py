@@ -22,12 +22,13 @@ HELP = "start a job under mpirun from a hostfile or -H list, with per-rank logs"
 
 
 def add_arguments(parser):
-    parser.add_argument("-np", "-n", dest="np", type=int, required=True, metavar="N", help="number of ranks")
+    parser.add_argument("-np", "-n", dest="np", type=int, metavar="N",
+                        help="number of ranks (inside a Slurm allocation: SLURM_NTASKS unless given)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hostfile", "-f", metavar="FILE",
                        help="hosts in Open MPI ('host slots=N') or MPICH ('host:N') syntax")
     where.add_argument("-H", "--hosts", dest="host_list", metavar="HOST:N,...",
-                       help="hosts inline, e.g. node1:2,node2:2")
+                       help="hosts inline, e.g. node1:2,node2:2 (neither: inside a Slurm allocation, its hosts)")
     parser.add_argument("-o", "--output", dest="logdir", metavar="LOGDIR",
                         help="write each rank's output to LOGDIR/rank-R.log")
     parser.add_argument("--oversubscribe", action="store_true",

@@ -17,20 +17,19 @@ from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_buil
 
 # Horovod's collectives: async ops on a background thread, matched across ranks by name.
 from .autograd import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_, grouped_allgather,
-                       grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter)
+                       grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter,
+                       sparse_allreduce_async)
 from .handles import poll, synchronize
 from .ops_async import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, barrier,
                         broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
                         grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async)
-from .sparse import sparse_allreduce_async
 from .process_set_ops import add_process_set, remove_process_set
 from .process_sets import ProcessSet, global_process_set
 from .timeline import start_timeline, stop_timeline
 
 # Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
-from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .optimizer import DistributedOptimizer
+from .optimizer import Compression, DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = ["interop", "TorchModel"]

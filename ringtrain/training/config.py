@@ -78,6 +78,9 @@ class TrainConfig:
     keep: int = _f(3, "checkpoints to keep")
     resume: str = _f("auto", "auto (newest valid checkpoint in the run directory), none, or a checkpoint PATH")
     max_time: float = _f(None, "stop after this many seconds, with a final checkpoint", kind="float")
+    stop_before_time_limit: bool = _f(True, "in a Slurm job with a time limit, stop with a checkpoint before it "
+                                            "(exit status 75), leaving twice the slowest step, evaluation and "
+                                            "checkpoint plus 15 s")
     eval_every: int = _f(1, "evaluate on the test set every this many epochs (0: only at the end)")
     log_every: int = _f(50, "record a train event every this many steps")
     max_steps: int = _f(None, "stop after this many steps in all (for tests and smoke runs)", kind="int")
@@ -150,6 +153,7 @@ RESUME_RULES = {
     "epochs": ("future", "how long the run goes on"),
     "max_steps": ("future", "how long the run goes on"),
     "max_time": ("future", "how long this job goes on"),
+    "stop_before_time_limit": ("future", "how long this job goes on"),
     "lr": ("future", "the step size from here on"),
     "warmup_steps": ("future", "the learning rate from here on"),
     "log_every": ("future", "logging"),

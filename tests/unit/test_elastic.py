@@ -150,6 +150,7 @@ def parsed(*argv):
     (["-np", "2", "--min-np", "1", "-H", "fe80::1:2"], "-H entry 1: 'fe80::1:2' is an IPv6 address"),
     (["-np", "2", "--min-np", "1", "--elastic-timeout", "-1"], "--elastic-timeout must be a number of seconds"),
     (["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "5", "2"], "--blacklist-cooldown-range 5 2"),
+    (["--min-np", "1"], "the elastic flags need -np N"),
 ])
 def test_elastic_launches_that_cannot_work_are_refused_before_anything_is_written(tmp_path, flags, message):
     args = parsed(*flags, "-o", str(tmp_path / "logs"))

@@ -1,27 +1,39 @@
-"""Parameters' gradients through ringtrain's overlapping reducer: staged as backward makes them, copied back at the end.
+"""A DistributedOptimizer's gradients in flat buckets: staged as backward makes them, reduced, handed back.
 
-:class:`GradientExchange` is what :class:`~ringtrain.torch.DistributedOptimizer`
+:class:`GradientBuckets` is what :class:`~ringtrain.torch.DistributedOptimizer`
 hands each gradient to. Each gradient gets a slot in a flat staging buffer
-(one per device and wire dtype), laid out in the order backward usually
-delivers gradients (the reverse of the parameters' order), and the slots are
-the arrays a :class:`ringtrain.comm.reducer.Reducer` was built for. So
+(one per device and wire dtype), laid out in the order the ranks agreed on
+(the reverse of the root's parameter order: backward's usual order), and the
+slots are the arrays a :class:`ringtrain.comm.reducer.Reducer` was built
+for. So
 
-* :meth:`GradientExchange.push` copies a final gradient into its slot (the
-  one copy a fusion buffer costs anyway) and pushes the slot; as soon as a
-  bucket's last slot is pushed, the reducer starts that bucket's reduction on
-  its communication thread, in place, while backward goes on;
-* :meth:`GradientExchange.finish` pushes the slots nobody pushed (zeros for a
+* :meth:`GradientBuckets.push` copies a final gradient into its slot (the
+  one copy a fusion buffer costs anyway), scales it by the prescale factor
+  and pushes the slot; as soon as a bucket's last slot is pushed, the reducer
+  starts that bucket's reduction on its communication thread, in place,
+  while backward goes on;
+* :meth:`GradientBuckets.finish` pushes the slots nobody pushed (zeros for a
   parameter without a gradient on this rank, as Horovod and DDP do: another
-  rank may have one), waits for every bucket, and copies the results back into
-  each ``.grad``.
+  rank may have one), waits for every bucket, scales by the postscale factor
+  and hands each result back as ``.grad``.
+
+Aliasing: a result is handed back by making ``.grad`` a view of its slot (as
+Horovod's ``grad.set_(output)`` does), so there is no copy back, and a
+gradient that backward accumulates into the kept ``.grad`` next step
+(``zero_grad(set_to_none=False)``) is already staged: :meth:`push` then
+skips the copy but never the prescale.
 
 Staging also takes what the transports cannot: a bfloat16 gradient is staged
 as float32, a complex one as its real and imaginary float pairs, a sparse one
 dense (``to_sparse`` again on the way back).
 
-Contract (every rank): the constructor and :meth:`finish` are collective, and
-every rank must build the exchange for the same parameters (shapes, dtypes
-and order).
+Contract (every rank of the communicator): the constructor and
+:meth:`finish` are collective, and every rank must build the buckets for
+parameters of the same shapes and dtypes in the same order, with the same
+op, compression and factors. :func:`match_problem` is that contract as a
+pure function over every rank's description, which
+:func:`~ringtrain.torch.DistributedOptimizer` gathers before it builds the
+buckets: by parameter name when the user named them, else by position.
 """
 
 import torch
@@ -31,7 +43,7 @@ from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
 from .interop import as_array
 
-__all__ = ["GradientExchange", "wire_dtype"]
+__all__ = ["GradientBuckets", "match_problem", "wire_dtype"]
 
 # Gradients whose dtype the transports do not take travel as a wider float.
 _WIRE = {torch.bfloat16: torch.float32, torch.complex64: torch.float32, torch.complex128: torch.float64}
@@ -50,13 +62,13 @@ def _slot_shape(p):
     return tuple(p.shape) + ((2,) if p.dtype.is_complex else ())
 
 
-class GradientExchange:
+class GradientBuckets:
     """Reduce parameters' gradients in buckets as they become final (see the module docstring).
 
     Args:
         comm: the communicator (duplicated by each reducer; collective).
         named: ``[(name, parameter)]`` in the order :meth:`push` will usually
-            be called (backward's order).
+            be called (backward's order), the same shapes and dtypes on every rank.
         op: the reducer's op: ``"mean"``, ``"sum"``, ``"min"`` or ``"max"``.
         compression: the reducer's compression: ``None`` or ``"fp16"``.
         prescale, postscale: factors applied to each gradient before and after
@@ -124,16 +136,8 @@ class GradientExchange:
     def push(self, p):
         """Stage ``p.grad`` (zeros if it has none) and hand it to its reducer; may start a bucket's reduction."""
         reducer, name, slot, array = self._slot[p]
-        grad = p.grad
         with torch.no_grad():
-            if grad is None:
-                slot.zero_()
-            elif grad.is_sparse:
-                slot.copy_(grad.to_dense())
-            elif grad.data_ptr() != slot.data_ptr():  # not already the slot (see _write_back)
-                slot.copy_(torch.view_as_real(grad) if grad.is_complex() else grad)
-                if self.prescale != 1.0:
-                    slot.mul_(self.prescale)
+            _stage(p.grad, slot, self.prescale)
         if slot.device.type == "cuda":
             # The reducer hands the slot to MPI from another thread; torch's copy must be done by then.
             torch.cuda.current_stream(slot.device).synchronize()
@@ -153,6 +157,7 @@ class GradientExchange:
                 self._write_back(p, self._slot[p][2])
 
     def _write_back(self, p, slot):
+        """Hand the reduced slot back as ``p.grad``: a view of it where the dtypes allow (see the module docstring)."""
         if self.postscale != 1.0:
             slot.mul_(self.postscale)
         grad = p.grad
@@ -164,8 +169,6 @@ class GradientExchange:
         elif grad.is_complex():
             torch.view_as_real(grad).copy_(slot)
         elif grad.dtype == slot.dtype:
-            # The gradient becomes a view of its slot, as Horovod's set_ makes it one of its output: no
-            # copy back, and a gradient accumulated in place next step is already staged.
             grad.set_(slot)
         else:
             grad.copy_(slot)
@@ -175,3 +178,83 @@ class GradientExchange:
         for reducer in self.reducers:
             reducer.close()
         self.reducers = []
+
+
+def _stage(grad, slot, prescale):
+    """Put ``grad`` (None: zeros) into its slot in the wire's form, times ``prescale``."""
+    if grad is None:
+        slot.zero_()
+        return
+    if grad.is_sparse:
+        slot.copy_(grad.to_dense())
+    elif grad.data_ptr() != slot.data_ptr():  # not already the slot: a new .grad, or one of another dtype
+        slot.copy_(torch.view_as_real(grad) if grad.is_complex() else grad)
+    # Also when backward accumulated straight into the slot: skipping the 1/f here while the f/size
+    # after the sum is applied would leave the gradient f times too large.
+    if prescale != 1.0:
+        slot.mul_(prescale)
+
+
+_FIELDS = ("shape", "dtype", "device")
+
+
+def match_problem(records, ranks, by_name):
+    """What stops the ranks' gradients from being matched and reduced alike, as one line, or None (pure).
+
+    Args:
+        records: one dict per member, in the set's rank order: ``refused``
+            (its own argument error, or None), ``reduction`` (op and
+            compression by name, predivide factor's ``repr``, so that NaN
+            equals NaN) and ``params``
+            (``(name, shape, dtype, device type)`` of each trained
+            parameter, in its optimizer's order).
+        ranks: the members' ranks, for the message.
+        by_name: match parameters by name (else by position).
+    """
+    for rank, record in zip(ranks, records):
+        if record["refused"] is not None:
+            return f"rank {rank} refused its arguments: {record['refused']}"
+    first = records[0]
+    for rank, record in zip(ranks[1:], records[1:]):
+        for field, a, b in zip(("op", "compression", "gradient_predivide_factor"), first["reduction"],
+                               record["reduction"]):
+            if a != b:
+                return (f"{field} is {a} on rank {ranks[0]} and {b} on rank {rank}; pass the same op, compression "
+                        "and gradient_predivide_factor on every rank")
+        problem = (_by_name if by_name else _by_position)(first["params"], record["params"], ranks[0], rank)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _by_name(root, other, root_rank, rank):
+    theirs = {name: rest for name, *rest in other}
+    mine = {name: rest for name, *rest in root}
+    missing = [n for n in mine if n not in theirs] + [n for n in theirs if n not in mine]
+    if missing:
+        there, absent = (root_rank, rank) if missing[0] in mine else (rank, root_rank)
+        return (f"parameter {missing[0]!r} is trained on rank {there} but not on rank {absent}; name the same "
+                "trained parameters (requires_grad=True) on every rank")
+    for name, *rest in root:
+        for field, a, b in zip(_FIELDS, rest, theirs[name]):
+            if a != b:
+                return (f"parameter {name!r} has {field} {_show(a)} on rank {root_rank} and {_show(b)} on rank "
+                        f"{rank}; build the same model on every rank")
+    return None
+
+
+def _by_position(root, other, root_rank, rank):
+    if len(root) != len(other):
+        return (f"rank {root_rank} trains {len(root)} parameters and rank {rank} {len(other)}; build the same "
+                "model and optimizer on every rank")
+    for i, ((name, *a), (_, *b)) in enumerate(zip(root, other)):
+        for field, x, y in zip(_FIELDS, a, b):
+            if x != y:
+                return (f"trained parameter {i} ({name} on rank {root_rank}) has {field} {_show(x)} there and "
+                        f"{_show(y)} on rank {rank}; pass named_parameters=model.named_parameters() to match "
+                        "gradients by name, or list the parameters in the same order on every rank")
+    return None
+
+
+def _show(value):
+    return str(value).replace("torch.", "")  # torch.float32 -> float32; shapes as tuples
