@@ -37,6 +37,8 @@ RENAMED = {
     "horovod.torch": "ringtrain.torch",
     # Horovod's ops module; ringtrain.torch exports every op it holds.
     "horovod.torch.mpi_ops": "ringtrain.torch",
+    # Horovod's compressors live beside the distributed optimizer that uses them.
+    "horovod.torch.compression": "ringtrain.torch.optimizer",
     "horovod.common.exceptions": "ringtrain.torch.errors",
 }
 # Packages of Horovod's that ringtrain has no module for: built here.
@@ -46,15 +48,16 @@ BUILT = ("horovod", "horovod.common", "horovod.runner", "horovod.runner.util", "
 def served_name(fullname):
     """The ringtrain module that serves Horovod's module ``fullname``, or None (pure).
 
-    ``horovod.torch.X`` maps to ``ringtrain.torch.X`` by name, so a module
-    added to ringtrain.torch is served without a change here. The modules in
+    ``horovod.torch.X`` maps to ``ringtrain.torch.X`` by name, at any depth
+    (Horovod's ``horovod.torch.elastic.sampler``), so a module added to
+    ringtrain.torch is served without a change here. The modules in
     :data:`BUILT` map to themselves (they are made by :func:`_build`).
     """
     if fullname in RENAMED:
         return RENAMED[fullname]
     if fullname in BUILT:
         return fullname
-    if fullname.startswith("horovod.torch.") and fullname.count(".") == 2:
+    if fullname.startswith("horovod.torch."):
         return "ringtrain." + fullname[len("horovod."):]
     return None
 

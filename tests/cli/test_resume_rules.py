@@ -129,7 +129,7 @@ def test_a_different_rank_count_is_a_warning_for_auto_and_an_explicit_path(finis
         assert result.stderr.splitlines() == [
             "ringtrain: warning: resuming a 1-rank run on 2 ranks: the data order differs from here on, so results "
             "will not match a 1-rank run bitwise"], show(result)
-        assert "done: step 60" in result.stdout, show(result)
+        assert "finished: step 60" in result.stdout, show(result)
 
 
 def test_a_checkpoint_without_ringtrain_metadata_is_one_line(tmp_path):

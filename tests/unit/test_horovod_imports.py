@@ -27,7 +27,8 @@ def test_served_names():
     assert imports.served_name("horovod.common.exceptions") == "ringtrain.torch.errors"
     assert imports.served_name("horovod") == "horovod"
     assert imports.served_name("horovod.spark") is None
-    assert imports.served_name("horovod.torch.elastic.state") is None
+    assert imports.served_name("horovod.torch.elastic.sampler") == "ringtrain.torch.elastic.sampler"
+    assert imports.served_name("horovod.torch.compression") == "ringtrain.torch.optimizer"
 
 
 def test_nothing_is_served_until_installed():
@@ -48,7 +49,7 @@ def test_the_served_modules_are_ringtrains_own(served):
 
     assert horovod.__version__ == imports.HOROVOD_VERSION and callable(horovod.run)
     assert hvd is ringtrain.torch and horovod.torch.mpi_ops is ringtrain.torch
-    assert horovod.torch.compression is importlib.import_module("ringtrain.torch.compression")
+    assert horovod.torch.compression.Compression is ringtrain.torch.Compression
     assert hvd.__spec__.name == "ringtrain.torch"  # the alias left ringtrain's module as it was
     assert HorovodInternalError is ringtrain.torch.HorovodInternalError
     assert in_thread is imports.in_thread
