@@ -39,9 +39,8 @@ from ..io.rundir import write_json_atomic
 from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
                         host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
-from .jobs import (NO_RESTART_STATUSES, Forwarder, first_failed, not_restarted_line, read_exit_records,
-                   report_failure, report_success, run_job)
-from .launch import format_command, make_logdir
+from .jobs import (NO_RESTART_STATUSES, Forwarder, first_failed, format_command, make_logdir, not_restarted_line,
+                   read_exit_records, report_failure, report_success, run_job)
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
            "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",

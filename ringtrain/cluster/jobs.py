@@ -9,11 +9,13 @@ its neighbours in :mod:`ringtrain.cluster` (signals, reaper, leftovers).
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 
+from ..errors import UsageError
 from . import leftovers, reaper
 from .signals import swapped_handlers
 
@@ -21,7 +23,7 @@ __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line
            "not_restarted_line", "failure_report", "format_failure_report", "failed_rank", "first_failed",
            "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail",
            "report_failure", "report_success", "Forwarder", "run_job", "run_with_restarts", "STOP_SIGNALS",
-           "FORWARDED"]
+           "FORWARDED", "format_command", "MIN_LOG_SPACE", "free_bytes", "make_logdir"]
 
 
 # --- restarts and failure reports (pure) --------------------------------------
@@ -366,7 +368,6 @@ def report_success(logdir, stderr, lines=5):
 
 def _full_disk_line(logdir):
     """The line that says the rank logs are cut short because their file system is full, or None."""
-    from .launch import MIN_LOG_SPACE, free_bytes
 
     free = free_bytes(logdir)
     if free is None or free >= MIN_LOG_SPACE:
@@ -410,3 +411,35 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
             print(restart_line(status, restart, max_restarts, delay, rank), file=stderr, flush=True)
             if _sleep_unless_stopped(delay, forwarder):
                 return status
+
+
+# --- the -o log directory and the command line, shared by the plain and the elastic launch ----
+
+def format_command(args, env=None):
+    """One shell line for ``args``, with ``env`` as ``NAME=value`` prefixes (pure)."""
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+    return " ".join(prefix + [shlex.quote(a) for a in args])
+
+
+MIN_LOG_SPACE = 64 * 1024
+
+
+def free_bytes(path):
+    """Bytes an ordinary user may still write on ``path``'s file system, or None when it will not say.
+
+    None too for a file system with no blocks at all (/proc, /sys): it has
+    no space to run out of, and says 0.
+    """
+    try:
+        fs = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return fs.f_bavail * fs.f_frsize if fs.f_blocks else None
+
+
+def make_logdir(logdir):
+    """Create ``-o``'s directory, or say in one line why it cannot be."""
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"-o {logdir}: cannot create it ({exc.strerror}); choose another log directory") from None

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import math
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import tempfile
 
 from ..errors import UsageError
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
-from .jobs import report_success, run_with_restarts
+from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
 from .slurm import allocation_hosts, allocation_tasks, step_tasks
 
 __all__ = [
@@ -217,10 +216,7 @@ def launch_command(np, command, *, mpirun, flavour, hostfile=None, hosts=None, l
     return args + list(command), _root_env(flavour)
 
 
-def format_command(args, env=None):
-    """One shell line for ``args``, with ``env`` as ``NAME=value`` prefixes (pure)."""
-    prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
-    return " ".join(prefix + [shlex.quote(a) for a in args])
+
 
 
 
@@ -336,22 +332,6 @@ def check_logdir(logdir):
 
 
 # Below this much free space, not even the ranks' first lines fit in their logs.
-MIN_LOG_SPACE = 64 * 1024
-
-
-def free_bytes(path):
-    """Bytes an ordinary user may still write on ``path``'s file system, or None when it will not say.
-
-    None too for a file system with no blocks at all (/proc, /sys): it has
-    no space to run out of, and says 0.
-    """
-    try:
-        fs = os.statvfs(path)
-    except (OSError, AttributeError):
-        return None
-    return fs.f_bavail * fs.f_frsize if fs.f_blocks else None
-
-
 def check_runnable(command, path=None):
     """Refuse a command this host cannot run, before mpiexec is started.
 
@@ -424,14 +404,6 @@ def _write_files(plan):
         target = os.path.join(workdir, "hostfile")
     write_replacing(target, format_hostfile(plan.hosts, plan.flavour))
     return target, workdir
-
-
-def make_logdir(logdir):
-    """Create ``-o``'s directory, or say in one line why it cannot be."""
-    try:
-        os.makedirs(logdir, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"-o {logdir}: cannot create it ({exc.strerror}); choose another log directory") from None
 
 
 def write_replacing(path, text):

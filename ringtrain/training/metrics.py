@@ -76,7 +76,8 @@ def epoch_line(epoch, epochs, sums, seconds, elapsed, last_eval):
 
 # Why a run ended (TrainResult.stopped), as the final line says it.
 _ENDINGS = {"done": "finished", "max_steps": "stopped at --max-steps", "max_time": "stopped at --max-time",
-            "sigint": "stopped by SIGINT", "sigterm": "stopped by SIGTERM", "sigusr1": "stopped by SIGUSR1"}
+            "time_limit": "stopped before the job's time limit", "sigint": "stopped by SIGINT",
+            "sigterm": "stopped by SIGTERM", "sigusr1": "stopped by SIGUSR1"}
 
 
 def final_line(stopped, step, epoch, index, steps_per_epoch, accuracy):

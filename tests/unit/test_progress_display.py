@@ -65,3 +65,5 @@ def test_the_final_line_says_how_and_where_the_run_ended():
     assert final_line("max_steps", 10, 0, 10, 40, None) == \
         "stopped at --max-steps: step 10, in epoch 1 (step 10 of 40); test accuracy n/a (the test set is empty)"
     assert final_line("max_time", 32, 1, 0, 32, 0.5).startswith("stopped at --max-time: step 32, 1 epoch done;")
+    assert final_line("time_limit", 40, 1, 8, 32, 0.5).startswith(
+        "stopped before the job's time limit: step 40, in epoch 2 (step 8 of 32);")
