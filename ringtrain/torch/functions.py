@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..comm import allreduce_, broadcast_
-from . import scope
+from . import process_sets as scope
 from .interop import broadcast_tensors_
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

@@ -1,17 +1,21 @@
-"""What each op does once every rank has agreed to run it: the bytes, moved on the engine's thread.
+"""What each op does once its process set's leader has decided it: the bytes, moved by the channel's driver.
 
-Every function here is collective over ``comm`` and is called by
-:class:`~ringtrain.torch.engine.Engine` on every member rank in the same
-order, with arguments the ranks have already compared
-(:mod:`ringtrain.torch.negotiation`), so no header check is needed here.
+Every function here is collective over ``comm`` (the process set's data
+communicator) and is called by :class:`~ringtrain.torch.channel.Channel`
+on every member in the same order, with arguments the ranks have already
+compared (:mod:`ringtrain.torch.negotiation`), so no header check is
+needed here.
 
-Reductions of the dtypes ringtrain's comm layer takes go through
-:func:`ringtrain.comm.allreduce_` (the shared-memory window on one host,
-the ring or MPI across hosts; CUDA IPC for CUDA tensors); the others
-(8- and 16-bit integers, bool, ``Product``) through MPI's ``Allreduce``;
-bfloat16 in float32. Data movement (allgather, broadcast, alltoall) hands
-MPI zero-copy byte views of the tensors; CUDA tensors are staged through
-host memory for those.
+Which tensors the ops take, and how MPI sees their memory: CPU tensors
+are handed to MPI as zero-copy NumPy views (:func:`host_view`,
+:func:`byte_view`); CUDA tensors are staged through host memory, except
+reductions, which go through :func:`ringtrain.comm.allreduce_` (CUDA IPC
+on one host). Reductions of the dtypes ringtrain's comm layer takes
+(:data:`RING_DTYPES`) go through ``allreduce_`` (the shared-memory window
+on one host, the ring or MPI across hosts); the others (8- and 16-bit
+integers, bool, ``Product``) through MPI's ``Allreduce``; bfloat16 in
+float32. A reduce-scatter is MPI's ``Reduce_scatter``: each rank receives
+only its rows, half the bytes of an allreduce.
 """
 
 import math
@@ -20,17 +24,62 @@ import numpy as np
 import torch
 
 from ..comm import allreduce_
-from .dtypes import RING_DTYPES, byte_view, host_view, reduces_as
 from .interop import as_array
 
-__all__ = ["FUSABLE", "fuse_key", "nbytes", "run", "scatter_rows", "zeros_like_meta"]
+__all__ = ["SUPPORTED", "RING_DTYPES", "FUSABLE", "check_tensor", "dtype_name", "host_view", "byte_view",
+           "reduces_as", "fuse_key", "nbytes", "run", "scatter_rows", "zeros_like_meta", "stand_in_args", "split_parts"]
 
+# What Horovod's torch ops accept.
+SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+             torch.float32, torch.float64, torch.bool)
+# The dtypes ringtrain's own allreduce (ringtrain.comm) reduces; the rest go to MPI's Allreduce.
+RING_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
 FUSABLE = ("allreduce", "reducescatter")
 
 
+def dtype_name(dtype):
+    """``torch.float32`` -> ``"float32"`` (pure)."""
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(tensor, who):
+    """The problem with a tensor no collective takes, as one line, or None (pure)."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"{who}: expected a torch.Tensor, got {type(tensor).__name__}"
+    if tensor.dtype not in SUPPORTED:
+        names = ", ".join(dtype_name(d) for d in SUPPORTED)
+        return f"{who}: tensor type {dtype_name(tensor.dtype)} is not supported; use one of {names}"
+    if tensor.device.type not in ("cpu", "cuda"):
+        return f"{who}: a tensor on {tensor.device}: only CPU and CUDA tensors are supported"
+    if tensor.is_sparse:
+        return f"{who}: a sparse tensor; use sparse_allreduce_async, or sparse_as_dense=True in the optimizer"
+    return None
+
+
+def reduces_as(dtype):
+    """The dtype a reduction of ``dtype`` runs in: float32 for bfloat16, else itself (pure)."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def host_view(tensor):
+    """A NumPy view of a contiguous CPU tensor of a dtype NumPy has (not bfloat16); writes go through."""
+    return tensor.detach().reshape(-1).numpy()
+
+
+def byte_view(tensor):
+    """The raw bytes of a contiguous CPU tensor, as a 1-D uint8 NumPy view (any dtype, 0-dim included)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool or flat.element_size() > 1:
+        flat = flat.view(torch.uint8)
+    return flat.numpy().view(np.uint8)
+
+
 def fuse_key(meta):
-    """What reductions fused into one buffer must share: everything but the shape (pure)."""
-    return tuple(pair for pair in meta if pair[0] != "shape")
+    """What reductions fused into one buffer must share: everything but the shape (pure).
+
+    Floats are compared by ``repr``, so NaN factors fuse alike on every rank.
+    """
+    return tuple((f, repr(v) if isinstance(v, float) else v) for f, v in meta if f != "shape")
 
 
 def nbytes(meta):
@@ -60,9 +109,25 @@ def zeros_like_meta(meta):
     return torch.zeros(fields["shape"], dtype=getattr(torch, fields["dtype"]), device=device)
 
 
+def stand_in_args(meta):
+    """The arguments a joined rank runs an allreduce with that it did not submit: zeros in, zeros out."""
+    fields = dict(meta)
+    if "parts" in fields:
+        return [(z, z) for z in (zeros_like_meta(m) for m in fields["parts"])]
+    zeros = zeros_like_meta(meta)
+    return (zeros, zeros)
+
+
+def split_parts(decision, args):
+    """A grouped op as one ``(meta, args, infos)`` per tensor, in order (pure)."""
+    metas = dict(decision.meta)["parts"]
+    return [(meta, a, [info[i] if info is not None else None for info in (decision.infos or [])])
+            for i, (meta, a) in enumerate(zip(metas, args))]
+
+
 def run(kind, comm, group):
-    """Run ``group`` (``[(Ready, Entry)]``, one op or a fused run); return each entry's result."""
-    if kind == "call":  # process-set changes: a function every rank runs on the engine's thread
+    """Run ``group`` (``[(Decision, Entry)]``, one op or a fused run); return each entry's result."""
+    if kind == "call":  # process-set changes and the timeline: a function every member runs in order
         return [entry.args[0](comm) for _, entry in group]
     return _KERNELS[kind](comm, group)
 
@@ -89,13 +154,18 @@ def reduce_(comm, flat, op):
         return flat
     from mpi4py import MPI
 
-    wide = flat.dtype == torch.float16  # MPI has no half type: reduce in float32, as Horovod's CPU path does
-    host = flat.cpu() if flat.is_cuda or wide else flat
-    work = host.float() if wide else host
+    host, work = _mpi_work(flat)
     comm.Allreduce(MPI.IN_PLACE, host_view(work), op=_mpi_op(op, work.dtype))
     if work is not flat:
         flat.copy_(work)
     return flat
+
+
+def _mpi_work(flat):
+    """``(host, work)``: ``flat`` on the host, and in a dtype MPI reduces (float32 for float16: MPI has no half)."""
+    wide = flat.dtype == torch.float16
+    host = flat.cpu() if flat.is_cuda or wide else flat
+    return host, (host.float() if wide else host)
 
 
 def scale_(flat, factor, divisor):
@@ -116,62 +186,66 @@ def scale_(flat, factor, divisor):
     return flat.copy_(wide)
 
 
-def _reduce_group(comm, group):
-    """Fuse the group's inputs into one buffer, scale, reduce and scale: the flat result and each tensor's span."""
+def _fields(group, comm):
     fields = dict(group[0][0].meta)
-    op, size = fields["op"], comm.Get_size()
-    if op == "adasum":  # every rank reaches this with the same op, so every rank raises
+    if fields["op"] == "adasum":  # every rank reaches this with the same op, so every rank raises
         raise NotImplementedError("Adasum is not implemented in ringtrain.torch; use op=hvd.Average or hvd.Sum")
+    return fields, fields["op"] == "average", comm.Get_size()
+
+
+def _allreduce(comm, group):
+    fields, average, size = _fields(group, comm)
     inputs = [entry.args[0] for _, entry in group]
     dtype = reduces_as(inputs[0].dtype)
-    if len(inputs) == 1 and inputs[0].is_contiguous() and dtype == inputs[0].dtype \
-            and entry_output(group[0]) is not None:
-        flat = entry_output(group[0]).reshape(-1)
+    out0 = group[0][1].args[1]
+    if len(group) == 1 and inputs[0].is_contiguous() and out0.is_contiguous() and dtype == inputs[0].dtype:
+        flat = out0.reshape(-1)
         if flat.data_ptr() != inputs[0].data_ptr():
             flat.copy_(inputs[0].reshape(-1))
     else:
         flat = torch.cat([t.reshape(-1).to(dtype) for t in inputs])
     # Average divides after the sum, except in half precision, where the sum could overflow first.
-    average = op == "average"
     half = dtype == torch.float16
     scale_(flat, fields["prescale"], size if average and half else 1)
-    reduce_(comm, flat, "sum" if average else op)
+    reduce_(comm, flat, "sum" if average else fields["op"])
     scale_(flat, fields["postscale"], size if average and not half else 1)
-    spans, offset = [], 0
-    for t in inputs:
-        spans.append((offset, t.numel()))
-        offset += t.numel()
-    return flat, spans
-
-
-def entry_output(pair):
-    """The output tensor an allreduce entry writes, when it can hold the fused result directly."""
-    _, entry = pair
-    return entry.args[1] if entry.kind == "allreduce" and entry.args[1].is_contiguous() else None
-
-
-def _allreduce(comm, group):
-    flat, spans = _reduce_group(comm, group)
-    results = []
-    for (_, entry), (offset, n) in zip(group, spans):
-        out = entry.args[1]
+    results, offset = [], 0
+    for (_, entry), t in zip(group, inputs):
+        out, n = entry.args[1], t.numel()
         if out.data_ptr() != flat.data_ptr() or out.numel() != flat.numel():
             out.copy_(flat[offset:offset + n].view(out.shape))
+        offset += n
         results.append(out)
     return results
 
 
 def _reducescatter(comm, group):
-    flat, spans = _reduce_group(comm, group)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    results = []
-    for (_, entry), (offset, n) in zip(group, spans):
-        tensor = entry.args[0]
-        rows = tensor.shape[0]
-        start, count = scatter_rows(rows, size)[rank]
-        per_row = n // rows if rows else 0
-        mine = flat[offset + start * per_row: offset + (start + count) * per_row]
-        results.append(mine.view(count, *tensor.shape[1:]).to(tensor.dtype).clone())
+    """Each rank's rows of the reduction: the inputs laid out rank by rank, then one ``Reduce_scatter``."""
+
+    fields, average, size = _fields(group, comm)
+    rank = comm.Get_rank()
+    inputs = [_staged(entry.args[0]) for _, entry in group]
+    dtype = reduces_as(inputs[0].dtype)
+    blocks = [[] for _ in range(size)]
+    for t in inputs:
+        for r, (start, count) in enumerate(scatter_rows(t.shape[0], size)):
+            blocks[r].append(t[start:start + count].reshape(-1))
+    counts = [sum(b.numel() for b in bs) for bs in blocks]
+    send = torch.cat([b.to(dtype) for bs in blocks for b in bs])
+    half = dtype == torch.float16
+    scale_(send, fields["prescale"], size if average and half else 1)
+    host, work = _mpi_work(send)
+    mine = torch.empty(counts[rank], dtype=work.dtype)
+    op = "sum" if average else fields["op"]
+    comm.Reduce_scatter(host_view(work), host_view(mine), counts, op=_mpi_op(op, work.dtype))
+    scale_(mine, fields["postscale"], size if average and not half else 1)
+    results, offset = [], 0
+    for (_, entry), t in zip(group, inputs):
+        start, count = scatter_rows(t.shape[0], size)[rank]
+        n = count * math.prod(t.shape[1:])
+        results.append(mine[offset:offset + n].view(count, *t.shape[1:]).to(entry.args[0].dtype)
+                       .to(entry.args[0].device))
+        offset += n
     return results
 
 
@@ -184,7 +258,7 @@ def _staged(tensor):
 def _allgather(comm, group):
     (op, entry), = group
     tensor = _staged(entry.args[0])
-    rows = [info for info in op.infos]
+    rows = list(op.infos)
     rest = tensor.shape[1:] if tensor.dim() else ()
     row_bytes = math.prod(rest) * tensor.element_size()
     out = torch.empty((sum(rows), *rest), dtype=tensor.dtype)
@@ -206,6 +280,8 @@ def _broadcast(comm, group):
 
 
 def _alltoall(comm, group):
+    from mpi4py import MPI
+
     (op, entry), = group
     tensor = _staged(entry.args[0])
     rank = comm.Get_rank()
@@ -216,8 +292,6 @@ def _alltoall(comm, group):
     out = torch.empty((sum(received), *rest), dtype=tensor.dtype)
     send_counts = [s * row_bytes for s in sent]
     recv_counts = [r * row_bytes for r in received]
-    from mpi4py import MPI
-
     comm.Alltoallv([byte_view(tensor), (send_counts, _displacements(send_counts)), MPI.BYTE],
                    [byte_view(out), (recv_counts, _displacements(recv_counts)), MPI.BYTE])
     return [(out.to(entry.args[0].device), torch.tensor(received, dtype=torch.int32))]

@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from . import scope
+from . import process_sets as scope
 from .compression import Compression, reducer_compression
 from .exchange import GradientExchange, wire_dtype
 from .reduce_ops import Average, Max, Min, Sum
