@@ -1,4 +1,4 @@
-"""One process set's ops on this rank: matched by the set's leader, then run in the leader's order.
+"""One process set's ops on this rank: announced to every member, run as every member's verdict says.
 
 The engine (:mod:`ringtrain.torch.engine`) keeps a :class:`Channel` for every
 process set this rank belongs to. A channel talks only to the set's
@@ -7,19 +7,23 @@ below, ``data`` for the collectives themselves. So a set's ops complete as
 soon as its members have submitted them, whatever ranks outside the set
 are doing.
 
-The protocol (:mod:`ringtrain.torch.negotiation` holds the matching; one
-tag, and MPI keeps each sender's messages in order)::
+The protocol (:mod:`ringtrain.torch.negotiation` holds the rules; one tag,
+and MPI keeps each sender's messages in order)::
 
-    member -> leader   ("a", rank, [(key, meta id, meta or None, info), ...])   ops submitted
-    leader -> member   ("d", [(key, verdict, payload, stand-in meta), ...])     ops decided, in order
-    leader -> member   ("s", {key: missing ranks})                              who keeps an op waiting
-    leader -> member   ("c", reason)                                            closed: fail the rest
+    every member -> every member   ("a", rank, [(key, meta id, meta or None, info, data), ...])
+    leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
+    leader -> every member         ("c", reason)                                closed: fail the rest
 
-A member sends each distinct ``meta`` once and then only its id, so an op
-the ranks have run before costs a few dozen bytes each way (Horovod's
-response cache does the same with a bit per op). The leader decides, sends
-the decisions to every member, and every member runs them in that order,
-fusing runs of small reductions the same way everywhere.
+Every member hears every announcement, so once a member has heard an op
+from every member it knows, as every other member does, whether the op
+fails (the ranks disagree), is computed on the spot (a small allreduce,
+broadcast or barrier whose data came with the announcements: one message
+each way, no collective), or is a collective, which runs in the order the
+leader (the set's lowest rank) sends: ranks may submit ops in different
+orders, and one thread running blocking collectives must run them in the
+same order as its peers. A member sends each distinct ``meta`` once and
+then only its id, so an op the ranks have run before costs a few dozen
+bytes per member (Horovod's response cache does the same with a bit).
 
 Who runs it. Whoever holds the channel's driver lock: the caller's own
 thread inside ``synchronize`` (no hand-off, the common case), or else the
@@ -37,63 +41,82 @@ import time
 from . import kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
 from .handles import Pending
-from .negotiation import FAIL, JOIN, RUN, Decision, Table, conflicts, stall_report, user_name
+from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, stall_report, user_name, verdict
 
-__all__ = ["Entry", "Channel", "CYCLE_S", "TICK_S", "PROBE_S"]
+__all__ = ["Entry", "Channel", "label", "CYCLE_S", "TICK_S", "PROBE_S"]
 
 TAG = 7
+RUN = "run"
 CYCLE_S = float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0
-TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts, status)
+TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 WATCH_S = 0.1       # the thread keeps waking each cycle this long after the set was last busy
-SPINS = 40          # polls before a driver waiting for a message starts to sleep
+SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
+YIELD_S = 0.005     # how long it yields before it starts to sleep
 SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
 FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
-INFO_KINDS = ("allgather", "alltoall")  # the kinds whose members need every member's info to run
+INFO_KINDS = ("allgather", "alltoall")  # the kinds whose kernels need every member's info
 
 
 class Entry:
-    """One submitted op: its key and label, what is announced (``meta``, ``info``) and what the kernel needs."""
+    """One submitted op: its key and label, what is announced (``meta``, ``info``) and what the kernel needs.
 
-    __slots__ = ("key", "label", "kind", "meta", "info", "args", "pending", "submitted")
+    ``local`` marks an op small enough for its data to go with its announcement.
+    """
 
-    def __init__(self, key, label, kind, meta, info, args, pending):
+    __slots__ = ("key", "label", "kind", "meta", "info", "args", "pending", "submitted", "local")
+
+    def __init__(self, key, label, kind, meta, info, args, pending, local=False):
         self.key, self.label, self.kind = key, label, kind
         self.meta, self.info, self.args, self.pending = meta, info, args, pending
         self.submitted = time.monotonic()
+        self.local = local
+
+
+class Decision(collections.namedtuple("Decision", "name meta infos")):
+    """An ordered op as its kernel sees it: the agreed ``meta`` and every member's ``info``, in member order."""
+
+
+def label(kind, name, set_id):
+    """How errors name an op: ``allreduce 'loss'``, ``... on process set 2`` (pure)."""
+    return f"{kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
 
 
 class Channel:
-    """One process set's queue, its names in flight, its driver and (on the leader) its :class:`Table`.
+    """One process set's queue, names in flight, board of announcements and driver.
 
     Args:
         engine: the :class:`~ringtrain.torch.engine.Engine` (its rank, stall settings, reports, timeline).
         set_id: the process set's id.
         ranks: the set's ranks (of the runtime's communicator), in order.
-        data, control: communicators over ``ranks``, in that order, owned by this channel.
+        data, control: communicators over ``ranks``, in that order.
     """
 
     def __init__(self, engine, set_id, ranks, data, control):
+        from mpi4py import MPI
+
         self.engine, self.set_id, self.ranks = engine, set_id, tuple(ranks)
         self.data, self.control = data, control
         self.rank = engine.rank
         self.leader = self.ranks[0]
         self.is_leader = self.rank == self.leader
+        self._others = [r for r in self.ranks if r != self.rank]
         self._index = {r: i for i, r in enumerate(self.ranks)}
-        self._cond = threading.Condition()
+        self._any_source = MPI.ANY_SOURCE
+        self._cond = threading.Condition(threading.Lock())
         self._driver = threading.Lock()
         self._driving = False
         self._queue = []                       # submitted, not yet announced
         self._in_flight = set()                # keys from submit until the op completes
-        self._mine = {}                        # key -> entry announced, not yet decided
-        self._decided = collections.deque()    # (batch, decision, entry) to run in order
+        self._mine = {}                        # key -> this rank's entry, announced, not yet run
+        self._board = Board(self.ranks)
+        self._ordered = collections.deque()    # (batch, key, RUN or FAIL, payload): the leader's order
         self._batch = 0
+        self._answers = []                     # JOINED answers to send with the next announcements
+        self._join_order = []                  # leader: ranks in the order their JOIN arrived
         self._sends = []
-        self._meta_ids = {}                    # member: meta -> id
-        self._metas = {}                       # leader: rank -> {id: meta}
-        self._table = Table(self.ranks) if self.is_leader else None
-        self._status = {}                      # member: key -> the ranks the leader says are missing
-        self._sent_status = {}
+        self._meta_ids = {}                    # meta -> the id this rank announces it under
+        self._metas = {}                       # rank -> {id: meta}
         self._closing = None
         self._closed = None
         self._leader_closed = None
@@ -127,7 +150,7 @@ class Channel:
 
     def drive(self, pending):
         """Run the set's ops on this thread until ``pending`` is done (or another thread is running them)."""
-        while not pending.done():
+        while not pending.finished:
             if not self._take_driver(blocking=False):
                 pending.wait(0.05)  # the channel's thread is running the set: it will finish this op
                 continue
@@ -137,7 +160,7 @@ class Channel:
                 self._release_driver()
 
     def close(self, reason):
-        """Stop taking ops: those not yet decided fail with ``reason`` on every member (any thread; returns at once)."""
+        """Stop taking ops: those not run yet fail with ``reason`` on every member (any thread; returns at once)."""
         with self._cond:
             if self._closing is None and self._closed is None:
                 self._closing = reason
@@ -165,17 +188,17 @@ class Channel:
             self._thread.join(5)
 
     def entries(self):
-        """This rank's ops in flight, oldest first, with the ranks the leader last said were missing."""
-        with self._cond:
-            found = list(self._mine.values()) + [e for _, _, e in self._decided] + self._queue
-        return [(e, self._status.get(e.key)) for e in sorted(found, key=lambda e: e.submitted)]
+        """``[(entry, missing ranks)]``: this rank's ops in flight, oldest first (for the engine's watch)."""
+        found = list(self._mine.values()) + list(self._queue)
+        waiting = {key: missing for key, _, missing in self._board.waiting(time.monotonic())}
+        return [(e, waiting.get(e.key, [])) for e in sorted(found, key=lambda e: e.submitted)]
 
     def idle_poll(self, now):
-        """Read the leader's mail while the set is idle (the engine's watch calls it): stalls are seen even then."""
+        """Read the mail while the set is idle (the engine's watch calls it): a leader sees stalls even then."""
         if self._has_work() or not self._take_driver(blocking=False):
             return
         try:
-            self._step(now, execute=False)
+            self._step(now)
         finally:
             self._release_driver()
 
@@ -196,19 +219,18 @@ class Channel:
         self._driver.release()
 
     def _drive_until(self, done, deadline=None):
-        idle, since = 0, time.monotonic()
+        since = time.monotonic()
         while not done():
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 return
             if self._step(now):
-                idle, since = 0, now
+                since = now
             else:
-                idle += 1
-                _pause(idle, now - since)
+                _pause(now - since)
 
     def _has_work(self):
-        return bool(self._queue or self._mine or self._decided or (self._closing and not self._closed))
+        return bool(self._queue or self._mine or self._ordered or (self._closing and not self._closed))
 
     def _thread_main(self):
         while self._wait_for_work():
@@ -238,22 +260,23 @@ class Channel:
                     self._parked = False
             return False
 
-    def _step(self, now, execute=True):
-        """One round of work: announce, read mail, decide (leader), run what is decided. True if anything moved."""
+    def _step(self, now):
+        """One round of work: announce, read mail, order (leader), run. True if anything moved."""
         with self._cond:
             new, self._queue = self._queue, []
             closing = self._closing if self._closed is None else None
         moved = bool(new)
         if new:
             self._announce(new, now)
-        moved |= self._receive(now)
-        if self.is_leader:
-            self._decide(self._table.decide())
-        if self._decided and execute:
-            self._execute()
-            moved = True
+        if self._others:
+            moved |= self._receive(now)
+        if self._answers:
+            self._send_all(("a", self.rank, self._answers))
+            self._answers = []
+        if self._ordered:
+            moved |= self._run_ordered(now)
         if closing is not None:
-            moved |= self._finish_closing(closing)
+            moved |= self._finish_closing(closing, now)
         if self.is_leader and now - self._inspected >= TICK_S:
             self._inspected = now
             self._inspect(now)
@@ -261,36 +284,54 @@ class Channel:
             self._sends = [r for r in self._sends if not r.Test()]
         return moved
 
-    # The protocol.
+    # Announcing and hearing.
 
-    def _send(self, rank, message):
-        self._sends.append(self.control.isend(message, dest=self._index[rank], tag=TAG))
+    def _send_all(self, message):
+        for r in self._others:
+            request = self.control.isend(message, dest=self._index[r], tag=TAG)
+            # Testing at once pushes the message out: MPI may otherwise move it only at this rank's next call.
+            if not request.Test():
+                self._sends.append(request)
 
     def _announce(self, entries, now):
         if self._closed is not None:
             for e in entries:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: {self._closed}"))
             return
-        items = []
+        items, complete = [], []
         for e in entries:
             self._mine[e.key] = e
-            if self.is_leader:
-                self._table.announce(self.rank, e.key, e.meta, e.info, now)
+            data = self._data_of(e)
+            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if data is not None else None), now):
+                complete.append(e.key)
+            if e.key == JOIN and self.is_leader:
+                self._join_order.append(self.rank)
+            if not self._others:
                 continue
             meta_id = self._meta_ids.get(e.meta)
             new = meta_id is None
             if new:
                 meta_id = self._meta_ids[e.meta] = len(self._meta_ids)
-            items.append((e.key, meta_id, e.meta if new else None, e.info))
+            items.append((e.key, meta_id, e.meta if new else None, e.info, data))
+            if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
+                self._answer_all(now, complete)
         if items:
-            self._send(self.leader, ("a", self.rank, items))
+            self._send_all(("a", self.rank, items))
+        for key in complete:
+            self._heard_all(key, now)
+
+    def _data_of(self, entry):
+        """A small op's bytes, sent with its announcement (an allreduce's input; a broadcast's, from its root)."""
+        if not entry.local or not self._others:
+            return None
+        if entry.kind == "broadcast" and self.ranks[dict(entry.meta)["root"]] != self.rank:
+            return None
+        return kernels.raw_bytes(entry.args[0])
 
     def _receive(self, now):
-        from mpi4py import MPI
-
         moved = False
         while True:
-            message = self.control.improbe(MPI.ANY_SOURCE, TAG)
+            message = self.control.improbe(self._any_source, TAG)
             if message is None:
                 return moved
             moved = True
@@ -299,122 +340,203 @@ class Channel:
                 self._heard(body[0], body[1], now)
             elif kind == "d":
                 self._batch += 1
-                for record in body[0]:
-                    self._follow(*record)
-            elif kind == "s":
-                self._status.update(body[0])
+                self._ordered.extend((self._batch, *order) for order in body[0])
             else:  # the leader has closed the set: so must this member
                 self._leader_closed = body[0]
                 self.close(body[0])
 
     def _heard(self, rank, items, now):
-        """The leader's side of an announcement."""
         metas = self._metas.setdefault(rank, {})
-        for key, meta_id, meta, info in items:
+        joining = JOIN in self._mine
+        complete = []
+        for key, meta_id, meta, info, data in items:
             if meta is not None:
                 metas[meta_id] = meta
-            if self._closed is not None:  # closed: tell the member at once
-                self._send(rank, ("d", [(key, FAIL, (False, f"{user_name(key)!r}: {self._closed}"), None)]))
-                continue
-            self._table.announce(rank, key, metas[meta_id], info, now)
+            if self._board.add(rank, key, (metas[meta_id], info, data), now):
+                complete.append(key)
+            if key == JOIN and self.is_leader:
+                self._join_order.append(rank)
+            elif joining and not self._board.has(key, self.rank):
+                self._answer(key, now, complete)
+        for key in complete:
+            self._heard_all(key, now)
 
-    def _decide(self, decisions):
-        """The leader's side of a decision: send it to every member, and queue it here."""
-        if not decisions:
+    def _answer_all(self, now, complete):
+        for key in self._board.keys():
+            if key != JOIN and not self._board.has(key, self.rank):
+                self._answer(key, now, complete)
+
+    def _answer(self, key, now, complete):
+        """This rank has joined: it answers an op it did not submit with JOINED (zeros, for an allreduce)."""
+        if JOINED not in self._meta_ids:
+            self._meta_ids[JOINED] = len(self._meta_ids)
+            self._answers.append((key, self._meta_ids[JOINED], JOINED, None, None))
+        else:
+            self._answers.append((key, self._meta_ids[JOINED], None, None, None))
+        if self._board.add(self.rank, key, (JOINED, None, None), now):
+            complete.append(key)
+
+    def _heard_all(self, key, now):
+        """Every member has announced ``key``: fail it, compute it here, or (a collective) leave it to be ordered."""
+        if self.is_leader and key == JOIN:
+            self._order([(JOIN, RUN, self._join_order[-1])])
+            self._join_order = []
             return
-        self._batch += 1
-        others = {r: [] for r in self.ranks if r != self.rank}
-        for d in decisions:
-            if d.verdict == FAIL:
-                record = (d.name, FAIL, (d.mismatch, d.error), None)
-                for records in others.values():
-                    records.append(record)
-                self._follow(*record, decision=d)
-                continue
-            kind = dict(d.meta).get("kind")
-            payload = d.result if d.name == JOIN else (d.infos if kind in INFO_KINDS or _grouped(d.meta) else None)
-            for r, records in others.items():
-                records.append((d.name, RUN, payload, d.meta if r in d.joined else None))
-            self._follow(d.name, RUN, payload, d.meta if self.rank in d.joined else None, decision=d)
-        for r, records in others.items():
-            self._send(r, ("d", records))
-
-    def _follow(self, key, verdict, payload, stand_in, decision=None):
-        """Queue one decision for this rank, in order: its own entry, or zeros for a rank that joined."""
-        entry = self._mine.pop(key, None)
-        if verdict == FAIL:
+        if key == JOIN:
+            return
+        v = verdict(key, self.ranks, self._board.announcements(key))
+        if v.action == FAIL:
+            entry = self._mine.pop(key, None)
             if entry is not None:
-                mismatch, text = payload
-                error = (CollectiveMismatchError if mismatch else HorovodInternalError)(text)
-                self._decided.append((self._batch, Decision(key, FAIL, entry.meta, [], error=error), entry))
-            return
-        if entry is None:
-            if stand_in is None:
-                raise HorovodInternalError(f"{user_name(key)!r}: decided by the leader, but never submitted here")
-            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", stand_in,
-                          None, kernels.stand_in_args(stand_in), Pending())
-        meta = stand_in if stand_in is not None else entry.meta
-        result = payload if key == JOIN else None
-        infos = payload if key != JOIN else None
-        if decision is not None:
-            infos = decision.infos
-        self._decided.append((self._batch, Decision(key, RUN, meta, infos, result=result), entry))
+                self._complete(entry, error=(CollectiveMismatchError if v.mismatch else HorovodInternalError)(v.error))
+            self._done(key, now)
+        elif v.action == LOCAL:
+            self._run_local(key, v, now)
+        elif self.is_leader:
+            self._order([(key, RUN, None)])
 
-    def _execute(self):
-        """Run the decided ops in order, small reductions of one batch fused."""
-        while self._decided:
-            batch, decision, entry = self._decided.popleft()
-            if decision.verdict == FAIL:
-                self._complete(entry, error=decision.error)
+    def _done(self, key, now):
+        if self._board.take(key, now):
+            self._heard_all(key, now)
+
+    def _run_local(self, key, v, now):
+        """A small op whose data every rank has: the result is computed here, as on every member."""
+        entry = self._mine.pop(key, None)
+        if entry is not None:
+            timeline = self.engine.timeline
+            try:
+                if timeline is None:
+                    result = self._local_result(key, v, entry)
+                else:
+                    with timeline.span(entry.label + " (local)", tid=1):
+                        result = self._local_result(key, v, entry)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+                self._complete(entry, error=_as_runtime_error(exc))
+            else:
+                self._complete(entry, result)
+        self._done(key, now)
+
+    def _local_result(self, key, v, entry):
+        announced = self._board.announcements(key)
+        kind = v.meta[0][1]
+        if kind == "barrier":
+            return None
+        if kind == "broadcast":
+            return kernels.take_result(entry.args[1], announced[self.ranks[dict(v.meta)["root"]]][2])
+        inputs = [kernels.zeros_like_meta(v.meta) if r in v.joined else announced[r][2] for r in self.ranks]
+        return kernels.reduce_locally(v.meta, inputs, entry.args[1])
+
+    # The collectives, in the leader's order.
+
+    def _order(self, orders):
+        """The leader's side: send the order to every member, and follow it here."""
+        if self._others:
+            self._send_all(("d", orders))
+        self._batch += 1
+        self._ordered.extend((self._batch, *order) for order in orders)
+
+    def _run_ordered(self, now):
+        """Run the ordered ops whose announcements have all arrived, in order, small reductions of a batch fused."""
+        moved = False
+        while self._ordered:
+            batch, key, action, payload = self._ordered[0]
+            if action == FAIL:
+                self._ordered.popleft()
+                entry = self._mine.pop(key, None)
+                if entry is not None:
+                    self._complete(entry, error=HorovodInternalError(payload))
+                self._done(key, now)
+                moved = True
                 continue
-            if decision.name == JOIN:
-                self._complete(entry, decision.result)
+            if not self._board.complete(key):
+                return moved  # an announcement the leader has heard is still on its way here
+            self._ordered.popleft()
+            moved = True
+            if key == JOIN:
+                entry = self._mine.pop(key, None)
+                self._complete(entry, payload)
+                self._done(key, now)
                 continue
-            if _grouped(decision.meta):
-                for part in reversed(self._parts(decision, entry)):
-                    self._decided.appendleft((batch, *part))
-                continue
-            group = [(decision, entry)]
-            if entry.kind in kernels.FUSABLE:
-                key, total = kernels.fuse_key(decision.meta), kernels.nbytes(decision.meta)
-                while self._decided:
-                    b, d, e = self._decided[0]
-                    if (b != batch or d.verdict != RUN or e.kind != entry.kind or _grouped(d.meta)
-                            or kernels.fuse_key(d.meta) != key or total + kernels.nbytes(d.meta) > FUSION_BYTES):
-                        break
-                    total += kernels.nbytes(d.meta)
-                    group.append(self._decided.popleft()[1:])
+            group = [self._decision(key)]
+            decision, entry = group[0]
+            if entry.kind in kernels.FUSABLE and not _grouped(decision.meta):
+                group += self._fusable(batch, entry.kind, decision.meta)
             self._run(group)
+            for d, _ in group:
+                self._done(d.name, now)
+        return moved
 
-    def _parts(self, decision, entry):
-        """A grouped op as one ``(decision, entry)`` per tensor; the group completes with the last of them."""
-        collected = _Collected(entry, self._complete)
-        return [(Decision(f"{entry.key}#{i}", RUN, meta, infos),
-                 Entry(f"{entry.key}#{i}", entry.label, entry.kind, meta, None, args, _Part(collected, i)))
-                for i, (meta, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
+    def _decision(self, key):
+        """``(Decision, entry)`` for an ordered op: this rank's entry, or zeros if it answered JOINED."""
+        announced = self._board.announcements(key)
+        mine = announced[self.rank][0]
+        meta = next(a[0] for a in announced.values() if a[0] != JOINED)
+        infos = [announced[r][1] for r in self.ranks]
+        entry = self._mine.pop(key, None)
+        if mine == JOINED:
+            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", meta, None,
+                          kernels.stand_in_args(meta), Pending())
+        return Decision(key, meta, infos), entry
+
+    def _fusable(self, batch, kind, meta):
+        """The ordered ops right after this one that fuse with it (the same on every member)."""
+        key, total, group = kernels.fuse_key(meta), kernels.nbytes(meta), []
+        while self._ordered:
+            b, k, action, _ = self._ordered[0]
+            if b != batch or action != RUN or not self._board.complete(k):
+                break
+            other = next(a[0] for a in self._board.announcements(k).values() if a[0] != JOINED)
+            if (other[0][1] != kind or _grouped(other) or kernels.fuse_key(other) != key
+                    or total + kernels.nbytes(other) > FUSION_BYTES):
+                break
+            self._ordered.popleft()
+            total += kernels.nbytes(other)
+            group.append(self._decision(k))
+        return group
 
     def _run(self, group):
-        entry = group[0][1]
+        decision, entry = group[0]
+        if _grouped(decision.meta):
+            collected = _Collected(entry, self._complete)
+            parts = [(Decision(f"{entry.key}#{i}", meta, infos),
+                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, meta, None, args, _Part(collected, i)))
+                     for i, (meta, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
+            self._run_parts(parts, entry.kind)
+            return
         timeline = self.engine.timeline
         try:
             if timeline is None:
                 results = kernels.run(entry.kind, self.data, group)
             else:
-                label = f"{entry.label}" + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-                with timeline.span(label, tid=1):
+                name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+                with timeline.span(name, tid=1):
                     results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-            error = exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
             for _, e in group:
-                self._complete(e, error=error)
+                self._complete(e, error=_as_runtime_error(exc))
             return
         for (_, e), result in zip(group, results):
             self._complete(e, result)
 
+    def _run_parts(self, parts, kind):
+        """A grouped op's tensors, run one after another, runs of compatible reductions fused."""
+        i = 0
+        while i < len(parts):
+            group = [parts[i]]
+            i += 1
+            if kind in kernels.FUSABLE:
+                key, total = kernels.fuse_key(group[0][0].meta), kernels.nbytes(group[0][0].meta)
+                while (i < len(parts) and kernels.fuse_key(parts[i][0].meta) == key
+                       and total + kernels.nbytes(parts[i][0].meta) <= FUSION_BYTES):
+                    total += kernels.nbytes(parts[i][0].meta)
+                    group.append(parts[i])
+                    i += 1
+            self._run(group)
+
     def _complete(self, entry, result=None, error=None):
-        # The name is free before anyone waiting hears of it, so a caller may reuse it at once.
-        with self._cond:
-            self._in_flight.discard(entry.key)
+        # The name is free before anyone waiting hears of it, so a caller may reuse it at once. (No lock:
+        # a set's discard is atomic, and no submit can be adding this key while its op is in flight.)
+        self._in_flight.discard(entry.key)
         if error is not None:
             entry.pending.fail(error)
         else:
@@ -422,16 +544,17 @@ class Channel:
 
     # Closing, and the leader's inspection.
 
-    def _finish_closing(self, reason):
-        """Close: the leader fails what is undecided everywhere; a member waits for the leader's word."""
+    def _finish_closing(self, reason, now):
+        """Close: the leader fails what has not run everywhere; a member waits for the leader's word."""
         if self.is_leader:
-            self._decide(self._table.fail_all(reason))
-            for r in self.ranks:
-                if r != self.rank:
-                    self._send(r, ("c", reason))
-        elif self._mine and self._leader_closed is None:
+            ordered = {key for _, key, _, _ in self._ordered}
+            self._order([(key, FAIL, f"{_label_of(key)}: {reason}") for key in self._board.keys()
+                         if key not in ordered])
+            if self._others:
+                self._send_all(("c", reason))
+        elif (self._mine or self._ordered) and self._leader_closed is None:
             return False
-        self._execute()
+        self._run_ordered(now)
         with self._cond:
             self._closed = self._leader_closed or reason
             left, self._queue = list(self._mine.values()) + self._queue, []
@@ -442,23 +565,13 @@ class Channel:
         return True
 
     def _inspect(self, now):
-        """The leader's watch over its waiting ops: conflicts, who is missing, Horovod's stall warnings."""
-        waiting = self._table.waiting(now)
+        """The leader's watch over ops not every member has announced: conflicts, Horovod's stall warnings."""
+        waiting = self._board.waiting(now)
         if not waiting:
             return
-        failed = [self._table.fail(key, error) for key, error in
-                  conflicts(self.set_id, waiting, self.engine.reports, PROBE_S)]
-        for d in failed:
-            if d is not None:
-                d.mismatch = True
-        self._decide([d for d in failed if d is not None])
-        status = {key: missing for key, age, missing in waiting if age >= PROBE_S}
-        if status and status != self._sent_status:
-            self._sent_status = status
-            for r in self.ranks:
-                if r != self.rank:
-                    self._send(r, ("s", status))
-            self._status.update(status)
+        failed = conflicts(self.set_id, waiting, self.engine.reports, PROBE_S)
+        if failed:
+            self._order([(key, FAIL, error) for key, error in failed])
         check_s, shutdown_s = self.engine.stall_times
         if check_s is None or now - self._last_warning < check_s:
             return
@@ -505,14 +618,30 @@ class _Part:
 
 
 def _grouped(meta):
-    return meta[0][0] == "kind" and len(meta) > 1 and meta[1][0] == "parts"
+    return len(meta) > 1 and meta[1][0] == "parts"
 
 
-def _pause(idle, waited):
-    """Between polls for a message: spin a little, then sleep longer the longer the wait has lasted."""
-    if idle < SPINS:
+def _label_of(key):
+    return f"{key.partition('.')[0]} {user_name(key)!r}"
+
+
+def _as_runtime_error(exc):
+    return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
+
+
+def _pause(waited):
+    """Between polls for a message: spin, then yield the core, then sleep longer the longer the wait has lasted.
+
+    A peer that answers within microseconds is caught spinning; yielding
+    (as ringtrain's shared-memory barrier does) keeps that latency while
+    giving the core to whoever needs it when ranks outnumber cores; a wait
+    past a few milliseconds means a late peer, and sleeping costs nothing.
+    """
+    if waited < SPIN_S:
         return
-    if waited < 0.1:
-        time.sleep(min(CYCLE_S, 2e-5 * 2 ** min(idle - SPINS, 8)))
+    if waited < YIELD_S:
+        os.sched_yield()
+    elif waited < 0.1:
+        time.sleep(CYCLE_S)
     else:
         time.sleep(SLOW_S)

@@ -25,38 +25,54 @@ class Pending:
     ``channel`` is the process set's :class:`~ringtrain.torch.channel.Channel`
     (None for an op that needs no driving); ``finish_fn`` runs on the
     caller's thread in :func:`synchronize` (decompression, for example).
+    The event a waiting thread sleeps on is made only when one waits: an op
+    the caller's own thread runs never needs one.
     """
 
-    __slots__ = ("_done", "result", "error", "finish_fn", "channel")
+    __slots__ = ("finished", "result", "error", "finish_fn", "channel", "_event")
 
     def __init__(self, finish_fn=None):
-        self._done = threading.Event()
+        self.finished = False
         self.result = None
         self.error = None
         self.finish_fn = finish_fn
         self.channel = None
+        self._event = None
 
     def succeed(self, result):
         self.result = result
-        self._done.set()
+        self._finish()
 
     def fail(self, error):
         self.error = error
-        self._done.set()
+        self._finish()
+
+    def _finish(self):
+        self.finished = True
+        event = self._event  # read after the flag is set: a waiter that made it sooner is woken
+        if event is not None:
+            event.set()
 
     def done(self):
-        return self._done.is_set()
+        return self.finished
 
     def wait(self, timeout=None):
         """Wait until done (or ``timeout`` seconds); True when done."""
-        return self._done.wait(timeout)
+        if self.finished:
+            return True
+        with _lock:
+            if self._event is None:
+                self._event = threading.Event()
+        if self.finished:  # finished before the event existed: nobody will set it
+            return True
+        return self._event.wait(timeout)
 
     def complete(self):
         """Run the op to completion on this thread if its process set is idle, else wait for it."""
-        if self.channel is not None:
+        if self.channel is not None and not self.finished:
             self.channel.drive(self)
         # Waiting in slices keeps Ctrl-C working: a bare Event.wait() blocks signals.
-        while not self._done.wait(0.5):
+        while not self.wait(0.5):
             pass
 
 

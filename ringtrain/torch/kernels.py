@@ -19,6 +19,8 @@ only its rows, half the bytes of an allreduce.
 """
 
 import math
+import os
+import weakref
 
 import numpy as np
 import torch
@@ -27,7 +29,8 @@ from ..comm import allreduce_
 from .interop import as_array
 
 __all__ = ["SUPPORTED", "RING_DTYPES", "FUSABLE", "check_tensor", "dtype_name", "host_view", "byte_view",
-           "reduces_as", "fuse_key", "nbytes", "run", "scatter_rows", "zeros_like_meta", "stand_in_args", "split_parts"]
+           "reduces_as", "fuse_key", "nbytes", "run", "scatter_rows", "zeros_like_meta", "stand_in_args", "split_parts",
+           "reduce_locally", "take_result", "raw_bytes", "host_array", "LOCAL_BYTES"]
 
 # What Horovod's torch ops accept.
 SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -35,6 +38,10 @@ SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, tor
 # The dtypes ringtrain's own allreduce (ringtrain.comm) reduces; the rest go to MPI's Allreduce.
 RING_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
 FUSABLE = ("allreduce", "reducescatter")
+_NUMPY_FAST = {"float32": np.float32, "float64": np.float64}
+# An allreduce or broadcast up to this size travels with its announcements and is computed on every rank.
+LOCAL_BYTES = int(os.environ.get("RINGTRAIN_HVD_LOCAL_BYTES", 16 << 10))
+_FAST_DTYPES = (torch.float32, torch.float64)  # integer averages truncate, float16 predivides: not here
 
 
 def dtype_name(dtype):
@@ -125,6 +132,101 @@ def split_parts(decision, args):
             for i, (meta, a) in enumerate(zip(metas, args))]
 
 
+def host_array(tensor):
+    """A flat NumPy view of a contiguous CPU float32/float64 tensor, kept for the next call on the same tensor.
+
+    Making the view costs more than a small op's arithmetic, and programs
+    reduce the same tensors step after step; a view is reused only while the
+    tensor still has the same memory, dtype and size.
+    """
+    key = id(tensor)
+    found = _VIEWS.get(key)
+    if found is not None:
+        ref, pointer, numel, array = found
+        if ref() is tensor and pointer == tensor.data_ptr() and numel == tensor.numel():
+            return array
+    array = tensor.detach().numpy().reshape(-1)
+    if len(_VIEWS) >= 256:  # views of tensors since freed must not pile up
+        _VIEWS.clear()
+    _VIEWS[key] = (weakref.ref(tensor), tensor.data_ptr(), tensor.numel(), array)
+    return array
+
+
+_VIEWS = {}
+
+
+def _fast(tensor):
+    return tensor.dtype in _FAST_DTYPES and not tensor.is_cuda and tensor.is_contiguous()
+
+
+def reduce_locally(meta, inputs, out):
+    """An allreduce computed on this rank from every member's input (tensors, or their raw bytes), into ``out``.
+
+    The same arithmetic as the collective path (each input prescaled,
+    combined in member order, then postscaled; an average divides after the
+    sum, or before it in half precision), so every member computing a small
+    op itself (:mod:`ringtrain.torch.channel`) gets the same bits.
+    """
+    fields = dict(meta)
+    op, n = fields["op"], len(inputs)
+    if op in ("sum", "average") and fields["prescale"] == 1.0 and fields["postscale"] == 1.0 and _fast(out):
+        numpy_dtype = _NUMPY_FAST[fields["dtype"]]
+        total = host_array(out)
+        arrays = [host_array(x) if isinstance(x, torch.Tensor) else np.frombuffer(x, numpy_dtype) for x in inputs]
+        # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
+        arrays = [a.copy() if i > 1 and np.shares_memory(a, total) else a for i, a in enumerate(arrays)]
+        if n == 1:
+            np.copyto(total, arrays[0])
+        else:
+            np.add(arrays[0], arrays[1], out=total)
+        for a in arrays[2:]:
+            total += a
+        if op == "average":
+            total /= numpy_dtype(n)
+        return out
+    dtype = getattr(torch, fields["dtype"])
+    work_dtype = reduces_as(dtype)
+    average, half = op == "average", work_dtype == torch.float16
+    total = None
+    for x in inputs:
+        t = x.detach() if isinstance(x, torch.Tensor) else torch.frombuffer(bytearray(x), dtype=dtype)
+        t = t.reshape(-1).to(work_dtype, copy=True)
+        scale_(t, fields["prescale"], n if average and half else 1)
+        total = t if total is None else _combine(total, t, op)
+    scale_(total, fields["postscale"], n if average and not half else 1)
+    out.copy_(total.to(dtype).view(out.shape))
+    return out
+
+
+def _combine(total, t, op):
+    if total.dtype == torch.bool:  # as MPI's logical ops do for booleans
+        return total.logical_or_(t) if op in ("sum", "average", "max") else total.logical_and_(t)
+    if op in ("sum", "average"):
+        return total.add_(t)
+    if op == "product":
+        return total.mul_(t)
+    return torch.maximum(total, t, out=total) if op == "max" else torch.minimum(total, t, out=total)
+
+
+def take_result(out, data):
+    """Write another rank's data (a tensor, or its raw bytes) into ``out``; return ``out``."""
+    if isinstance(data, torch.Tensor):
+        if data.data_ptr() != out.data_ptr():
+            out.copy_(data.view(out.shape))
+    elif _fast(out):
+        np.copyto(host_array(out), np.frombuffer(data, _NUMPY_FAST[dtype_name(out.dtype)]))
+    else:
+        out.copy_(torch.frombuffer(bytearray(data), dtype=out.dtype).view(out.shape))
+    return out
+
+
+def raw_bytes(tensor):
+    """A CPU tensor's contents as ``bytes`` (what goes with a small op's announcement)."""
+    if _fast(tensor):
+        return host_array(tensor).tobytes()
+    return bytes(byte_view(tensor.detach().contiguous()))
+
+
 def run(kind, comm, group):
     """Run ``group`` (``[(Decision, Entry)]``, one op or a fused run); return each entry's result."""
     if kind == "call":  # process-set changes and the timeline: a function every member runs in order
@@ -193,7 +295,16 @@ def _fields(group, comm):
     return fields, fields["op"] == "average", comm.Get_size()
 
 
+# Where a reduction's fields sit in its meta (ops_async builds it in this order).
+_OP, _PRESCALE, _POSTSCALE = 3, 4, 5
+_FAST_OPS = ("sum", "min", "max", "average")
+
+
 def _allreduce(comm, group):
+    if len(group) == 1:
+        result = _allreduce_one(comm, *group[0])
+        if result is not None:
+            return [result]
     fields, average, size = _fields(group, comm)
     inputs = [entry.args[0] for _, entry in group]
     dtype = reduces_as(inputs[0].dtype)
@@ -217,6 +328,26 @@ def _allreduce(comm, group):
         offset += n
         results.append(out)
     return results
+
+
+def _allreduce_one(comm, decision, entry):
+    """A lone contiguous CPU allreduce of a dtype the comm layer reduces, without scale factors: the common
+    small op, in as few steps as a direct ``allreduce_`` (None when it is not that case)."""
+    meta = decision.meta
+    op = meta[_OP][1]
+    tensor, out = entry.args
+    if (meta[_PRESCALE][1] != 1.0 or meta[_POSTSCALE][1] != 1.0 or op not in _FAST_OPS
+            or tensor.dtype not in _FAST_DTYPES or tensor.is_cuda or not out.is_contiguous()):
+        return None
+    if out is not tensor:
+        out.copy_(tensor)
+    array = host_array(out)
+    if op == "average":
+        allreduce_(array, op="sum", comm=comm)
+        out.div_(comm.Get_size())  # in the tensor's own dtype, as the general path does
+    else:
+        allreduce_(array, op=op, comm=comm)
+    return out
 
 
 def _reducescatter(comm, group):

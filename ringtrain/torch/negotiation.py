@@ -1,19 +1,24 @@
-"""Matching ops across the ranks of a process set by name, as Horovod's coordinator does (pure: no MPI, no threads).
+"""Matching ops across the ranks of a process set by name (pure: no MPI, no threads).
 
-Every process set has a leader, its lowest rank. Each member tells the
-leader what it submits: an announcement ``(name, meta, info)``, where
-``meta`` is what every member must agree on (kind, dtype, shape, op, root,
-...) as ``(field, value)`` pairs and ``info`` what may differ (an
-allgather's rows, an alltoall's splits). The leader keeps them in a
-:class:`Table`; :meth:`Table.decide` returns the ops every member has now
-announced, in the order they were first announced, each a
-:class:`Decision` to run or to fail. The leader sends the same decisions,
-in the same order, to every member, and every member runs them in that
-order: ranks may submit named ops in any order, and ranks that disagree on
-an op all get the same error instead of waiting for ever.
+Every member of a process set tells every other member what it submits:
+an announcement ``(meta, info, data)`` under the op's key, where ``meta``
+is what every member must agree on (kind, dtype, shape, op, root, ...) as
+``(field, value)`` pairs, ``info`` what may differ (an allgather's rows,
+an alltoall's splits) and ``data`` a small op's bytes. Every member keeps
+the announcements on a :class:`Board`; once every member has announced an
+op, :func:`verdict` says, the same on every rank, what becomes of it:
+
+* ``FAIL``: the ranks disagree (kind, dtype, shape, op, factors, root,
+  trailing dimensions, grouped length), one refused it on its own
+  arguments, or it is not an allreduce while a rank has joined;
+* ``LOCAL``: a small allreduce, broadcast or barrier whose data came with
+  the announcements: every rank computes the result itself, no collective;
+* ``ORDERED``: a collective. Ranks may submit ops in different orders, so
+  the set's leader (its lowest rank) decides the order in which every
+  member runs these, and sends it.
 
 Names are per kind, as in Horovod (an allreduce and a broadcast may share
-one): the key of an op is ``"<kind>.<name>"``, and unnamed ops are named
+one): the key of an op is ``"<kind>.<name>"``; unnamed ops are named
 ``noname.<n>`` by a counter per process set and kind (:class:`Names`), so
 ranks making the same unnamed calls in the same order match.
 """
@@ -21,13 +26,14 @@ ranks making the same unnamed calls in the same order match.
 import dataclasses
 import math
 
-__all__ = ["Decision", "Table", "Names", "first_difference", "same_value", "refusal", "op_key", "user_name",
-           "conflicts", "stall_report", "JOIN", "RUN", "FAIL"]
+__all__ = ["Verdict", "Board", "Names", "verdict", "first_difference", "same_value", "refusal", "op_key",
+           "user_name", "conflicts", "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
 
-# The name join() announces. A rank that has joined counts as present for
-# every other allreduce until every rank has joined (it adds zeros).
+# The key join() announces. A rank that has joined answers every allreduce it
+# did not submit with JOINED (it adds zeros) until every rank has joined.
 JOIN = "join.__ringtrain__"
-RUN, FAIL = "run", "fail"
+JOINED = (("kind", "joined"),)
+FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
 
 
 def op_key(kind, name):
@@ -88,35 +94,83 @@ def _difference(first, other):
 
 
 def refusal(meta):
-    """The message of a rank that refused an op on its own arguments (its ``refused`` field), or None (pure)."""
-    for field, value in meta:
-        if field == "refused":
-            return value
-    return None
+    """The message of a rank that refused an op on its own arguments, or None (pure).
+
+    A refusal is announced as ``(("kind", kind), ("refused", message))``.
+    """
+    return meta[1][1] if len(meta) == 2 and meta[1][0] == "refused" else None
 
 
 @dataclasses.dataclass
-class Decision:
-    """What every member does with one op: run it, or fail it with ``error``."""
+class Verdict:
+    """What every member does with an op every member has announced (the same on every rank)."""
 
-    name: str                 # the op's key
-    verdict: str              # RUN or FAIL
-    meta: tuple               # the agreed fields (the first announcer's)
-    infos: list               # each member's info, in member order (None for a member that joined)
-    joined: tuple = ()        # members that did not announce it but have joined: they add zeros
-    error: object = None      # why it failed (FAIL), the same text on every rank
-    result: object = None     # JOIN's result: the rank that joined last
-    mismatch: bool = False    # failed because ranks disagreed (CollectiveMismatchError)
+    action: str               # FAIL, LOCAL or ORDERED
+    meta: tuple = None        # the agreed fields (the first present member's)
+    error: str = None         # FAIL: why, the same text on every rank
+    mismatch: bool = False    # FAIL because ranks disagreed (a CollectiveMismatchError)
+    joined: tuple = ()        # ranks that answered JOINED: they add zeros
 
 
-@dataclasses.dataclass
-class _Waiting:
-    by_rank: dict             # rank -> (meta, info), in announcement order
-    since: float              # when the first announcement arrived (the leader's clock)
+def verdict(key, members, by_rank):
+    """The verdict on op ``key`` from every member's announcement ``(meta, info, data)``, in member order (pure).
+
+    Args:
+        key: the op's key.
+        members: the set's ranks, in order.
+        by_rank: rank -> announcement, for every member.
+    """
+    meta = by_rank[members[0]][0]
+    if refusal(meta) is None and meta != JOINED and all(by_rank[r][0] == meta for r in members):
+        # The common case: every member agrees, and none has joined or refused.
+        return Verdict(_action(meta[0][1], meta, members, members, by_rank), meta)
+    label = f"{key.partition('.')[0]} {user_name(key)!r}"
+    for rank in members:
+        refused = refusal(by_rank[rank][0])
+        if refused is not None:
+            return Verdict(FAIL, error=f"{label}: rank {rank} refused it: {refused}", mismatch=True)
+    joined = tuple(r for r in members if by_rank[r][0] == JOINED)
+    present = [r for r in members if r not in joined]
+    metas = [by_rank[r][0] for r in present]
+    meta = metas[0]
+    kind = meta[0][1]
+    if joined and kind != "allreduce":
+        return Verdict(FAIL, error=f"{label}: rank(s) {list(joined)} have joined; only allreduce runs while ranks "
+                                   "are joined")
+    if not all(m == meta for m in metas):
+        difference = first_difference(metas)
+        if difference is not None:
+            return Verdict(FAIL, error=f"{label}: ranks submitted different {difference}; every rank must submit "
+                                       "the same op under one name", mismatch=True)
+    return Verdict(_action(kind, meta, members, present, by_rank), meta, joined=joined)
 
 
-class Table:
-    """The ops announced to a process set's leader that not every member has announced yet.
+def _action(kind, meta, members, present, by_rank):
+    """LOCAL when the data every rank needs came with the announcements, else ORDERED (pure)."""
+    if kind == "barrier":
+        return LOCAL
+    if kind == "allreduce":
+        # A rank sends its data only for a small CPU op, so data from every rank means one.
+        return LOCAL if all(by_rank[r][2] is not None for r in present) else ORDERED
+    if kind == "broadcast":
+        return LOCAL if by_rank[members[dict(meta)["root"]]][2] is not None else ORDERED
+    return ORDERED
+
+
+
+class _Entry:
+    __slots__ = ("by_rank", "since", "later")
+
+    def __init__(self, since):
+        self.by_rank, self.since, self.later = {}, since, []
+
+
+class Board:
+    """The announcements a member has heard for ops not every member has announced yet, or not yet run.
+
+    A rank may announce a name again as soon as its own op of that name has
+    completed, before a slower member has heard every announcement of the
+    first; such an announcement waits its turn (``later``) on the board.
 
     Args:
         members: the set's ranks, in order.
@@ -124,97 +178,58 @@ class Table:
 
     def __init__(self, members):
         self.members = tuple(members)
-        self._waiting = {}  # key -> _Waiting; dicts keep insertion (first-announced) order
-        self._joined = {}   # rank -> order of its join, until every member has joined
-        self._order = 0
+        self._entries = {}  # key -> _Entry, in first-announced order
 
     def __len__(self):
-        return len(self._waiting)
+        return len(self._entries)
 
-    def announce(self, rank, name, meta, info, now):
-        """Record that ``rank`` submitted op ``name``."""
-        waiting = self._waiting.get(name)
-        if waiting is None:
-            waiting = self._waiting[name] = _Waiting({}, now)
-        waiting.by_rank[rank] = (meta, info)
-        if name == JOIN and rank not in self._joined:
-            self._order += 1
-            self._joined[rank] = self._order
+    def add(self, rank, key, announcement, now):
+        """Record ``rank``'s announcement of ``key``; True when every member has now announced it."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(now)
+        if rank in entry.by_rank:
+            entry.later.append((rank, announcement))
+            return False
+        entry.by_rank[rank] = announcement
+        return len(entry.by_rank) == len(self.members)
 
-    def decide(self):
-        """The ops now decided, in first-announced order, taken out of the table."""
-        decided = []
-        for name, waiting in list(self._waiting.items()):
-            decision = self._decision(name, waiting.by_rank)
-            if decision is not None:
-                del self._waiting[name]
-                decided.append(decision)
-        return decided
+    def has(self, key, rank):
+        """Whether ``rank``'s (current) announcement of ``key`` is on the board."""
+        entry = self._entries.get(key)
+        return entry is not None and rank in entry.by_rank
 
-    def _decision(self, name, by_rank):
-        missing = [r for r in self.members if r not in by_rank]
-        kind = dict(next(iter(by_rank.values()))[0]).get("kind")
-        # Only allreduces run while a rank is joined; any other op fails at
-        # once on the ranks that announced it, without waiting for a match.
-        if self._joined and name != JOIN and kind != "allreduce":
-            return self._make(name, by_rank, FAIL, error=f"{kind} {user_name(name)!r}: rank(s) "
-                              f"{sorted(self._joined)} have joined; only allreduce runs while ranks are joined")
-        if name == JOIN:
-            if missing:
-                return None
-            last = max(self._joined, key=self._joined.get)
-            self._joined.clear()
-            return self._make(name, by_rank, RUN, result=last)
-        if any(r not in self._joined for r in missing):
-            return None
-        return self._make(name, by_rank, RUN, joined=tuple(missing))
+    def announcements(self, key):
+        """rank -> announcement of ``key`` (a complete op's, once :meth:`add` said so)."""
+        return self._entries[key].by_rank
 
-    def _make(self, name, by_rank, verdict, joined=(), error=None, result=None):
-        present = [r for r in self.members if r in by_rank]
-        metas = [by_rank[r][0] for r in present]
-        mismatch = False
-        if verdict == RUN:
-            error = _disagreement(name, present, metas)
-            verdict, mismatch = (RUN, False) if error is None else (FAIL, True)
-        infos = [by_rank[r][1] if r in by_rank else None for r in self.members]
-        return Decision(name, verdict, metas[0], infos, joined, error, result, mismatch)
+    def complete(self, key):
+        entry = self._entries.get(key)
+        return entry is not None and len(entry.by_rank) == len(self.members)
 
-    def fail_all(self, error):
-        """Fail every op still waiting with ``error`` (the set is closing); returns the decisions."""
-        decided = [self._make(name, w.by_rank, FAIL, error=f"{_label(name, w.by_rank)}: {error}")
-                   for name, w in self._waiting.items()]
-        self._waiting.clear()
-        return decided
-
-    def fail(self, name, error):
-        """Fail one waiting op with ``error``; its decision, or None if it is not waiting."""
-        waiting = self._waiting.pop(name, None)
-        if waiting is None:
-            return None
-        return self._make(name, waiting.by_rank, FAIL, error=error)
+    def take(self, key, now):
+        """Remove ``key``'s announcements (its op is done); True if the next ones of that name are now complete."""
+        entry = self._entries.pop(key, None)
+        if entry is None or not entry.later:
+            return False
+        successor = self._entries[key] = _Entry(now)
+        for rank, announcement in entry.later:
+            if rank in successor.by_rank:
+                successor.later.append((rank, announcement))
+            else:
+                successor.by_rank[rank] = announcement
+        return len(successor.by_rank) == len(self.members)
 
     def waiting(self, now):
-        """``[(key, seconds waited, missing ranks)]`` of the ops not yet decided, oldest first."""
-        return [(name, now - w.since, [r for r in self.members if r not in w.by_rank and r not in self._joined])
-                for name, w in self._waiting.items()]
+        """``[(key, seconds waited, missing ranks)]`` of the ops not every member has announced, oldest first.
 
+        Safe to call from another thread than the one adding (it reads a copy).
+        """
+        return [(key, now - e.since, [r for r in self.members if r not in e.by_rank])
+                for key, e in list(self._entries.items()) if len(e.by_rank) < len(self.members)]
 
-def _label(name, by_rank):
-    kind = dict(next(iter(by_rank.values()))[0]).get("kind", "op")
-    return f"{kind} {user_name(name)!r}"
-
-
-def _disagreement(name, ranks, metas):
-    """The error every member fails with when ranks disagree on an op, or None (pure)."""
-    for rank, meta in zip(ranks, metas):
-        refused = refusal(meta)
-        if refused is not None:
-            return f"{_label(name, {rank: (meta, None)})}: rank {rank} refused it: {refused}"
-    difference = first_difference(metas)
-    if difference is None:
-        return None
-    return (f"{_label(name, {ranks[0]: (metas[0], None)})}: ranks submitted different {difference}; every "
-            "rank must submit the same op under one name")
+    def keys(self):
+        return list(self._entries)
 
 
 def conflicts(process_set, waiting, reports, probe_s):
@@ -222,7 +237,7 @@ def conflicts(process_set, waiting, reports, probe_s):
 
     Args:
         process_set: the id of the set ``waiting`` belongs to.
-        waiting: :meth:`Table.waiting`'s list.
+        waiting: :meth:`Board.waiting`'s list.
         reports: rank -> ``[(process set, key)]`` of the ops that rank has waited on longest.
         probe_s: how long an op waits before it is compared (ops in flight in
             different orders are not conflicts; only ops that stay unmatched are).

@@ -14,8 +14,8 @@ import warnings
 import torch
 
 from . import handles, runtime
-from .channel import Entry
-from .kernels import check_tensor, dtype_name
+from .channel import Entry, label
+from .kernels import LOCAL_BYTES, check_tensor, dtype_name
 from .negotiation import JOIN, op_key
 from .process_sets import global_process_set
 from .reduce_ops import Average, Sum, op_name
@@ -65,10 +65,20 @@ def submit(kind, name, process_set, describe, exact=False):
         engine.refuse(kind, str(exc), set_id, name)
         raise ValueError(str(exc)) from None
     key = name if exact else op_key(kind, name)
-    label = f"{kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
-    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in _tensors(args)):
+    cuda = bool(args) and _any_cuda(args)
+    if cuda:
         torch.cuda.current_stream().synchronize()  # another thread may read the tensors next
-    return engine.submit(set_id, Entry(key, label, kind, meta, info, args, handles.Pending()))
+    local = (kind in ("allreduce", "broadcast") and not cuda and meta[0][1] == kind and len(meta) > 3
+             and meta[3][1] != "adasum" and 0 < args[0].numel() * args[0].element_size() <= LOCAL_BYTES)
+    return engine.submit(set_id, Entry(key, label(kind, name, set_id), kind, meta, info, args, handles.Pending(),
+                                       local))
+
+
+def _any_cuda(args):
+    first = args[0]
+    if isinstance(first, torch.Tensor):
+        return first.is_cuda or any(isinstance(t, torch.Tensor) and t.is_cuda for t in args[1:])
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in _tensors(args))
 
 
 def _tensors(args):
@@ -86,11 +96,21 @@ def _checked(tensor, who):
     return tensor
 
 
+_METAS = {}  # what a reduction is announced with, one tuple per distinct op (cheap to build, compare and send)
+
+
 def _reduce_meta(kind, tensor, op, prescale_factor, postscale_factor):
     _checked(tensor, kind)
-    return (("kind", kind), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
-            ("op", op_name(op)), ("prescale", float(prescale_factor)), ("postscale", float(postscale_factor)),
-            ("device", tensor.device.type))
+    key = (kind, tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, tensor.device.type)
+    meta = _METAS.get(key)
+    if meta is None:
+        meta = (("kind", kind), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
+                ("op", op_name(op)), ("prescale", float(prescale_factor)), ("postscale", float(postscale_factor)),
+                ("device", tensor.device.type))
+        if len(_METAS) > 4096:  # a program of ever-new shapes must not grow this without bound
+            _METAS.clear()
+        _METAS[key] = meta
+    return meta
 
 
 def _group(kind, describe_one, tensors):
