@@ -43,14 +43,15 @@ from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternal
 from .handles import Pending
 from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, stall_report, user_name, verdict
 
-__all__ = ["Entry", "Channel", "label", "CYCLE_S", "TICK_S", "PROBE_S"]
+__all__ = ["Entry", "Channel", "Decision", "CYCLE_S", "TICK_S", "PROBE_S"]
 
 TAG = 7
 RUN = "run"
 CYCLE_S = float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
-WATCH_S = 0.1       # the thread keeps waking each cycle this long after the set was last busy
+WATCH_S = 0.1       # the thread keeps watching this long after the set was last busy, then sleeps
+WATCH_MAX_S = 0.008  # the longest it waits between looks while watching
 SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
 YIELD_S = 0.005     # how long it yields before it starts to sleep
 SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
@@ -59,27 +60,32 @@ INFO_KINDS = ("allgather", "alltoall")  # the kinds whose kernels need every mem
 
 
 class Entry:
-    """One submitted op: its key and label, what is announced (``meta``, ``info``) and what the kernel needs.
+    """One submitted op: its key, what is announced (``meta``, ``info``) and what the kernel needs.
 
-    ``local`` marks an op small enough for its data to go with its announcement.
+    ``where`` is what errors name it by (a string, or ``(name, process set)``
+    made into one only when needed); ``local`` marks an op small enough for
+    its data to go with its announcement.
     """
 
-    __slots__ = ("key", "label", "kind", "meta", "info", "args", "pending", "submitted", "local")
+    __slots__ = ("key", "where", "kind", "meta", "info", "args", "pending", "submitted", "local")
 
-    def __init__(self, key, label, kind, meta, info, args, pending, local=False):
-        self.key, self.label, self.kind = key, label, kind
+    def __init__(self, key, where, kind, meta, info, args, pending, local=False):
+        self.key, self.where, self.kind = key, where, kind
         self.meta, self.info, self.args, self.pending = meta, info, args, pending
         self.submitted = time.monotonic()
         self.local = local
 
+    @property
+    def label(self):
+        """How errors name the op: ``allreduce 'loss'``, ``... on process set 2``."""
+        if isinstance(self.where, str):
+            return self.where
+        name, set_id = self.where
+        return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
+
 
 class Decision(collections.namedtuple("Decision", "name meta infos")):
     """An ordered op as its kernel sees it: the agreed ``meta`` and every member's ``info``, in member order."""
-
-
-def label(kind, name, set_id):
-    """How errors name an op: ``allreduce 'loss'``, ``... on process set 2`` (pure)."""
-    return f"{kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
 
 
 class Channel:
@@ -126,6 +132,7 @@ class Channel:
         self._inspected = 0.0
         self._last_warning = 0.0
         self._thread = None
+        self._interval = CYCLE_S
 
     # The caller's side.
 
@@ -211,12 +218,12 @@ class Channel:
         return True
 
     def _release_driver(self):
-        with self._cond:
-            self._driving = False
-            self._last_drive = time.monotonic()
-            if self._has_work():
-                self._cond.notify_all()
+        self._driving = False
+        self._last_drive = time.monotonic()
         self._driver.release()
+        if self._has_work():  # left for the thread (which, watching, would look again within its interval)
+            with self._cond:
+                self._cond.notify_all()
 
     def _drive_until(self, done, deadline=None):
         since = time.monotonic()
@@ -236,6 +243,7 @@ class Channel:
         while self._wait_for_work():
             if not self._take_driver(blocking=False):
                 continue
+            self._interval = CYCLE_S
             try:
                 self._drive_until(lambda: not self._has_work() or self._stopped)
             finally:
@@ -253,7 +261,11 @@ class Channel:
                         return True
                     self._cond.wait(ready_at - now)
                 elif self._driving or now - self._last_drive < WATCH_S:
-                    self._cond.wait(CYCLE_S if not self._driving else None)
+                    # Watching while callers run the set's ops themselves: each look that finds nothing
+                    # for this thread to do doubles the time to the next, so a loop of blocking ops is
+                    # not slowed by a thread that keeps waking for the interpreter lock.
+                    self._cond.wait(self._interval)
+                    self._interval = min(2 * self._interval, WATCH_MAX_S)
                 else:
                     self._parked = True  # asleep without a timeout: submit() wakes it
                     self._cond.wait()
@@ -262,12 +274,13 @@ class Channel:
 
     def _step(self, now):
         """One round of work: announce, read mail, order (leader), run. True if anything moved."""
-        with self._cond:
-            new, self._queue = self._queue, []
-            closing = self._closing if self._closed is None else None
-        moved = bool(new)
-        if new:
+        moved = False
+        if self._queue:
+            with self._cond:
+                new, self._queue = self._queue, []
             self._announce(new, now)
+            moved = True
+        closing = self._closing if self._closed is None else None
         if self._others:
             moved |= self._receive(now)
         if self._answers:

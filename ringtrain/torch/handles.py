@@ -78,9 +78,8 @@ class Pending:
 
 def register(pending):
     """Put ``pending`` in the table; return its handle."""
-    handle = next(_counter)
-    with _lock:
-        _table[handle] = pending
+    handle = next(_counter)  # (a counter's next and a dict's item assignment are atomic: no lock needed)
+    _table[handle] = pending
     return handle
 
 
@@ -104,15 +103,13 @@ def synchronize(handle):
     ranks that disagreed) if it failed. An unknown handle returns None, as in
     Horovod.
     """
-    with _lock:
-        pending = _table.get(handle)
+    pending = _table.get(handle)
     if pending is None:
         return None
     try:
         pending.complete()
     finally:
-        with _lock:
-            _table.pop(handle, None)
+        _table.pop(handle, None)
     if pending.error is not None:
         error = pending.error
         if not isinstance(error, RuntimeError):

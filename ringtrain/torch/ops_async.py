@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import handles, runtime
-from .channel import Entry, label
+from .channel import Entry
 from .kernels import LOCAL_BYTES, check_tensor, dtype_name
 from .negotiation import JOIN, op_key
 from .process_sets import global_process_set
@@ -70,8 +70,7 @@ def submit(kind, name, process_set, describe, exact=False):
         torch.cuda.current_stream().synchronize()  # another thread may read the tensors next
     local = (kind in ("allreduce", "broadcast") and not cuda and meta[0][1] == kind and len(meta) > 3
              and meta[3][1] != "adasum" and 0 < args[0].numel() * args[0].element_size() <= LOCAL_BYTES)
-    return engine.submit(set_id, Entry(key, label(kind, name, set_id), kind, meta, info, args, handles.Pending(),
-                                       local))
+    return engine.submit(set_id, Entry(key, (name, set_id), kind, meta, info, args, handles.Pending(), local))
 
 
 def _any_cuda(args):
