@@ -12,6 +12,7 @@ and MPI keeps each sender's messages in order)::
 
     every member -> every member   ("a", rank, [(key, meta id, meta or None, info, data), ...])
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
+                                                                                 (FAIL: (mismatch, why))
     leader -> every member         ("c", reason)                                closed: fail the rest
 
 Every member hears every announcement, so once a member has heard an op
@@ -149,11 +150,15 @@ class Channel:
             self._in_flight.add(entry.key)
             self._queue.append(entry)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._thread_main, daemon=True,
-                                                name=f"ringtrain-hvd-set{self.set_id}")
-                self._thread.start()
+                self._start_thread()
             elif self._parked:
                 self._cond.notify()
+
+    def _start_thread(self):
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(target=self._thread_main, daemon=True,
+                                            name=f"ringtrain-hvd-set{self.set_id}")
+            self._thread.start()
 
     def drive(self, pending):
         """Run the set's ops on this thread until ``pending`` is done (or another thread is running them)."""
@@ -171,6 +176,7 @@ class Channel:
         with self._cond:
             if self._closing is None and self._closed is None:
                 self._closing = reason
+            self._start_thread()  # a leader that never submitted must still tell its members
             self._cond.notify_all()
 
     def finish_close(self, timeout=None):
@@ -457,7 +463,8 @@ class Channel:
                 self._ordered.popleft()
                 entry = self._mine.pop(key, None)
                 if entry is not None:
-                    self._complete(entry, error=HorovodInternalError(payload))
+                    mismatch, text = payload
+                    self._complete(entry, error=(CollectiveMismatchError if mismatch else HorovodInternalError)(text))
                 self._done(key, now)
                 moved = True
                 continue
@@ -561,7 +568,7 @@ class Channel:
         """Close: the leader fails what has not run everywhere; a member waits for the leader's word."""
         if self.is_leader:
             ordered = {key for _, key, _, _ in self._ordered}
-            self._order([(key, FAIL, f"{_label_of(key)}: {reason}") for key in self._board.keys()
+            self._order([(key, FAIL, (False, f"{_label_of(key)}: {reason}")) for key in self._board.keys()
                          if key not in ordered])
             if self._others:
                 self._send_all(("c", reason))
@@ -584,7 +591,7 @@ class Channel:
             return
         failed = conflicts(self.set_id, waiting, self.engine.reports, PROBE_S)
         if failed:
-            self._order([(key, FAIL, error) for key, error in failed])
+            self._order([(key, FAIL, (True, error)) for key, error in failed])
         check_s, shutdown_s = self.engine.stall_times
         if check_s is None or now - self._last_warning < check_s:
             return
