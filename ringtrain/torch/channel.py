@@ -14,6 +14,7 @@ and MPI keeps each sender's messages in order)::
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
                                                                                  (FAIL: (mismatch, why))
     leader -> every member         ("c", reason)                                closed: fail the rest
+    member -> leader               ("k", rank)                                  closed here too (removal)
 
 Every member hears every announcement, so once a member has heard an op
 from every member it knows, as every other member does, whether the op
@@ -127,6 +128,9 @@ class Channel:
         self._closing = None
         self._closed = None
         self._leader_closed = None
+        self._handshake = False                # closing for good: members answer the leader's word
+        self._told = False                     # the closing word is sent (leader) or answered (member)
+        self._acks = set()
         self._stopped = False
         self._parked = False
         self._last_drive = 0.0
@@ -171,9 +175,13 @@ class Channel:
             finally:
                 self._release_driver()
 
-    def close(self, reason):
-        """Stop taking ops: those not run yet fail with ``reason`` on every member (any thread; returns at once)."""
+    def close(self, reason, handshake=False):
+        """Stop taking ops: those not run yet fail with ``reason`` on every member (any thread; returns at once).
+
+        ``handshake``: every member confirms (for a set whose communicators are about to be freed).
+        """
         with self._cond:
+            self._handshake = self._handshake or handshake
             if self._closing is None and self._closed is None:
                 self._closing = reason
             self._start_thread()  # a leader that never submitted must still tell its members
@@ -305,6 +313,11 @@ class Channel:
 
     # Announcing and hearing.
 
+    def _send(self, rank, message):
+        request = self.control.isend(message, dest=self._index[rank], tag=TAG)
+        if not request.Test():
+            self._sends.append(request)
+
     def _send_all(self, message):
         for r in self._others:
             request = self.control.isend(message, dest=self._index[r], tag=TAG)
@@ -360,6 +373,8 @@ class Channel:
             elif kind == "d":
                 self._batch += 1
                 self._ordered.extend((self._batch, *order) for order in body[0])
+            elif kind == "k":  # a member's answer to the leader's word that the set is closed
+                self._acks.add(body[0])
             else:  # the leader has closed the set: so must this member
                 self._leader_closed = body[0]
                 self.close(body[0])
@@ -565,15 +580,29 @@ class Channel:
     # Closing, and the leader's inspection.
 
     def _finish_closing(self, reason, now):
-        """Close: the leader fails what has not run everywhere; a member waits for the leader's word."""
+        """Close: the leader fails what has not run everywhere; a member waits for the leader's word.
+
+        With ``handshake`` (the set is being removed, and its communicators
+        freed) every member also waits for the leader's word and answers it,
+        and the leader waits for every answer: nothing is left on its way on
+        a communicator whose id MPI may give to the next one.
+        """
         if self.is_leader:
-            ordered = {key for _, key, _, _ in self._ordered}
-            self._order([(key, FAIL, (False, f"{_label_of(key)}: {reason}")) for key in self._board.keys()
-                         if key not in ordered])
-            if self._others:
-                self._send_all(("c", reason))
-        elif (self._mine or self._ordered) and self._leader_closed is None:
-            return False
+            if not self._told:
+                ordered = {key for _, key, _, _ in self._ordered}
+                self._order([(key, FAIL, (False, f"{_label_of(key)}: {reason}")) for key in self._board.keys()
+                             if key not in ordered])
+                if self._others:
+                    self._send_all(("c", reason))
+                self._told = True
+            if self._handshake and len(self._acks) < len(self._others):
+                return False
+        else:
+            if self._leader_closed is None and (self._handshake or self._mine or self._ordered):
+                return False
+            if self._handshake and not self._told:
+                self._send(self.leader, ("k", self.rank))
+                self._told = True
         self._run_ordered(now)
         with self._cond:
             self._closed = self._leader_closed or reason

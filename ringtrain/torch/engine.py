@@ -176,7 +176,7 @@ class Engine:
         """Close a process set's channel on every member: its undecided ops fail (collective over the set)."""
         channel = self.channels.pop(set_id, None)
         if channel is not None:
-            channel.close(reason)
+            channel.close(reason, handshake=True)
             channel.finish_close()
             channel.stop()
 
@@ -194,8 +194,6 @@ class Engine:
             channel.stop()
         self._stop.set()
         self._watch.join(5)
-        if not self.failed:  # a failed job is being ended instead
-            self._notices.Free()
         self.channels = {}
 
     def fail_job(self, reason):

@@ -10,7 +10,12 @@ engine's two (``data`` for the collectives, ``control`` for matching them;
 Horovod's helpers run over on the caller's thread (``broadcast_parameters``,
 ``DistributedOptimizer``; :func:`communicator_of`). Two threads must never
 run collectives on one communicator, hence the separate ones. They are
-freed together when the set is removed and at ``shutdown``.
+freed together when the set is removed (collective, so every member frees
+them at the same point). ``shutdown`` leaves them to ``MPI_Finalize``:
+freeing ringtrain's windows on them waits for every member, and no rank
+may wait in ``shutdown`` for a peer that has not shut down; and a freed
+communicator's id may be reused by the next ``init`` while a late peer's
+message to the old one is still on its way.
 
 The running runtime's sets are reached through :data:`global_process_set`,
 which ``init`` binds to them and ``shutdown`` unbinds: Horovod's API is
@@ -184,11 +189,8 @@ class ProcessSets:
         if caller is not None and caller is not self.comm:
             release(caller)
 
-    def close(self, free):
-        """At shutdown: free every set's communicators in id order (collective) if ``free``; unbind."""
-        if free:
-            for set_id in sorted(self._comms):
-                self.free(set_id)
+    def close(self):
+        """At shutdown: forget every set (their communicators are left to ``MPI_Finalize``); unbind."""
         for ps in self.sets.values():
             if ps is not global_process_set:
                 ps.process_set_id, ps.registry = None, None

@@ -54,7 +54,7 @@ class Runtime:
         from mpi4py import MPI
 
         self.comm = comm
-        self.owned = owned  # made by init from a list of ranks: freed at shutdown
+        self.owned = owned  # made by init from a list of ranks (left, as every communicator, to MPI_Finalize)
         self.spec = TaskSpec.from_mpi(comm)
         cross_rank, cross_size = cross_layout(self.spec.hosts)
         self.cross_rank, self.cross_size = cross_rank[self.spec.rank], cross_size[self.spec.rank]
@@ -124,9 +124,10 @@ def init(comm=None, process_sets=None):
 
 
 def shutdown():
-    """Stop the runtime: fail what is pending, tell the other ranks, free the communicators (no-op if not started).
+    """Stop the runtime: fail what is pending and tell the other ranks (no-op if not started).
 
-    Ops still pending here, and ops any rank submits after this, fail, as in Horovod.
+    Ops still pending here, and ops any rank submits after this, fail, as in
+    Horovod. It never waits for another rank to shut down.
     """
     global _runtime
     with _lock:
@@ -138,11 +139,9 @@ def shutdown():
     if MPI.Is_finalized():
         return
     runtime.engine.shutdown()
-    runtime.sets.close(free=not runtime.engine.failed)
+    runtime.sets.close()  # (no communicator is freed here: process_sets says why)
     if sys.excepthook is runtime.hook:
         sys.excepthook = runtime.previous_hook
-    if runtime.owned and not runtime.engine.failed:
-        runtime.comm.Free()
 
 
 def is_initialized():
