@@ -82,6 +82,16 @@ def test_a_stall_is_reported_naming_the_late_rank_then_fails_the_waiting_ranks_b
     assert "rank 1: a peer failed before I arrived" in result.stdout, show(result)
 
 
+def test_a_stall_in_a_process_set_is_reported_for_that_set_and_its_missing_rank():
+    result = job(3, "set-stall")
+    assert result.returncode == 0, show(result)
+    # Reported by the set's leader (its lowest rank, 1), naming the set and the rank that has not come.
+    assert re.search(r"WARNING rank 1: process set 1 \(ranks \[1, 2\]\): .*\nMissing ranks:\n2: \[allreduce\.in-set\]",
+                     result.stderr), show(result)
+    assert "process set 0" not in result.stderr, show(result)
+    assert sorted(re.findall(r"rank (\d): in-set ok", result.stdout)) == ["1", "2"], show(result)
+
+
 @pytest.mark.parametrize("np", [2, 3])
 def test_ringtrains_bound_names_the_users_op_and_the_missing_rank_and_ends_the_job(np):
     # Rank 1 sleeps two minutes: only the bound can end the job within the test's.

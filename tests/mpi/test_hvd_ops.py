@@ -9,6 +9,7 @@ must be equal, not close. Skipped where torch is not installed.
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -260,6 +261,21 @@ def test_a_name_in_flight_twice_raises_value_error_on_that_rank():
     hvd.synchronize(first)
     hvd.synchronize(second)
     hvd.synchronize(hvd.allreduce_async(tensor, name="first"))  # free again once synchronized
+
+
+@pytest.mark.mpi
+def test_a_dropped_handle_frees_its_name_once_its_op_is_done():
+    hvd.allreduce_async(torch.ones(3), name="dropped")  # its handle is never synchronized
+    # The op completes on the engine's own thread; until then the name is in flight (ValueError, nothing sent).
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="dropped")
+            break
+        except ValueError:
+            assert time.monotonic() < deadline, "the dropped handle's name was never freed"
+            time.sleep(0.01)
+    np.testing.assert_array_equal(got.numpy(), np.full(3, float(COMM.Get_size())))
 
 
 @pytest.mark.mpi

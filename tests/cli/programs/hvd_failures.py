@@ -10,7 +10,8 @@ CASE is what rank 1 does while the others submit the op ``loss``:
 * ``shutdown``: calls ``hvd.shutdown()`` and then waits for word from rank 0 (every rank first submits
   ``mine``, an op no other rank submits, and synchronizes it after its own shutdown);
 * ``stall``: arrives 20 s late (Horovod's test_stall: check 2 s, shut down 5 s);
-* ``bound``: never arrives (the job runs under ``RINGTRAIN_TIMEOUT``).
+* ``bound``: never arrives (the job runs under ``RINGTRAIN_TIMEOUT``);
+* ``set-stall``: ranks 1 and 2 make a process set, and rank 2 is 4 s late to its op (check 1 s).
 
 Every other rank prints one line per op: ``<op> failed: <message>`` or
 ``<op> ok``. In ``stall`` a waiting rank, once its op has failed, tells rank
@@ -77,10 +78,27 @@ def report_mine():
         print(f"rank {rank}: mine failed: {exc}", flush=True)
 
 
+def set_stall():
+    """Ranks 1 and 2 form a set; rank 2 comes 4 s late; rank 0, outside it, waits for word in plain MPI."""
+    subset = hvd.add_process_set([1, 2])
+    if hvd.rank() == 0:
+        MPI.COMM_WORLD.recv(source=1, tag=WORD)
+        return
+    if hvd.rank() == 2:
+        time.sleep(4)
+    attempt("in-set", lambda: hvd.allreduce(torch.ones(2), name="in-set", process_set=subset))
+    if hvd.rank() == 1:
+        MPI.COMM_WORLD.send(True, dest=0, tag=WORD)
+
+
 def main(case):
     if case == "stall":
         os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="5")
+    if case == "set-stall":
+        os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS="1")
     hvd.init()
+    if case == "set-stall":
+        return set_stall()
     hvd.allreduce(torch.ones(2), name="warm-up")
     if case == "shutdown":  # a name of each rank's own: it never completes
         MINE.append(hvd.allreduce_async(torch.ones(2), name=f"mine.{hvd.rank()}"))
