@@ -168,7 +168,9 @@ class Channel:
         """Run the set's ops on this thread until ``pending`` is done (or another thread is running them)."""
         while not pending.finished:
             if not self._take_driver(blocking=False):
-                pending.wait(0.05)  # the channel's thread is running the set: it will finish this op
+                # Another thread is running the set (the channel's, or the watch reading a leader's mail
+                # for a moment): it may finish this op, or hand the set back soon.
+                pending.wait(0.002)
                 continue
             try:
                 self._drive_until(pending.done)
@@ -215,8 +217,8 @@ class Channel:
         return [(e, waiting.get(e.key, [])) for e in sorted(found, key=lambda e: e.submitted)]
 
     def idle_poll(self, now):
-        """Read the mail while the set is idle (the engine's watch calls it): a leader sees stalls even then."""
-        if self._has_work() or not self._take_driver(blocking=False):
+        """A leader reads its mail while it has nothing to run (the engine's watch calls it), to see stalls."""
+        if not self.is_leader or self._has_work() or not self._take_driver(blocking=False):
             return
         try:
             self._step(now)

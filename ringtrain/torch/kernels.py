@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..comm import allreduce_
+from ..comm.state import state_of
 from .interop import as_array
 
 __all__ = ["SUPPORTED", "RING_DTYPES", "FUSABLE", "check_tensor", "dtype_name", "host_view", "byte_view",
@@ -39,6 +40,7 @@ SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, tor
 RING_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
 FUSABLE = ("allreduce", "reducescatter")
 _NUMPY_FAST = {"float32": np.float32, "float64": np.float64}
+_COMBINE = {"sum": np.add, "min": np.minimum, "max": np.maximum}  # what a transport's reduce-scatter combines with
 # An allreduce or broadcast up to this size travels with its announcements and is computed on every rank.
 LOCAL_BYTES = int(os.environ.get("RINGTRAIN_HVD_LOCAL_BYTES", 16 << 10))
 _FAST_DTYPES = (torch.float32, torch.float64)  # integer averages truncate, float16 predivides: not here
@@ -351,8 +353,14 @@ def _allreduce_one(comm, decision, entry):
 
 
 def _reducescatter(comm, group):
-    """Each rank's rows of the reduction: the inputs laid out rank by rank, then one ``Reduce_scatter``."""
+    """Each rank's rows of the reduction, and only those: the inputs laid out rank by rank, then one reduce-scatter.
 
+    Half the bytes of an allreduce move: ringtrain's transport (the
+    shared-memory window on one host, the ring across hosts) runs only its
+    first phase, each rank's rows padded to the same length so that its
+    chunk is its rows; dtypes and ops the transports do not take go through
+    MPI's ``Reduce_scatter``.
+    """
     fields, average, size = _fields(group, comm)
     rank = comm.Get_rank()
     inputs = [_staged(entry.args[0]) for _, entry in group]
@@ -362,13 +370,24 @@ def _reducescatter(comm, group):
         for r, (start, count) in enumerate(scatter_rows(t.shape[0], size)):
             blocks[r].append(t[start:start + count].reshape(-1))
     counts = [sum(b.numel() for b in bs) for bs in blocks]
-    send = torch.cat([b.to(dtype) for bs in blocks for b in bs])
     half = dtype == torch.float16
-    scale_(send, fields["prescale"], size if average and half else 1)
-    host, work = _mpi_work(send)
-    mine = torch.empty(counts[rank], dtype=work.dtype)
     op = "sum" if average else fields["op"]
-    comm.Reduce_scatter(host_view(work), host_view(mine), counts, op=_mpi_op(op, work.dtype))
+    if dtype in RING_DTYPES and op in _COMBINE:
+        width = max(counts)  # every rank's block padded to the longest: chunk r is rank r's rows
+        send = torch.zeros(size * width, dtype=dtype)
+        for r, bs in enumerate(blocks):
+            if bs:
+                torch.cat([b.to(dtype) for b in bs], out=send[r * width:r * width + counts[r]])
+        scale_(send, fields["prescale"], size if average and half else 1)
+        array = host_view(send)
+        state_of(comm).transport_for("auto", array.nbytes).reduce_scatter(array, _COMBINE[op])
+        mine = send[rank * width:rank * width + counts[rank]]
+    else:
+        send = torch.cat([b.to(dtype) for bs in blocks for b in bs])
+        scale_(send, fields["prescale"], size if average and half else 1)
+        host, work = _mpi_work(send)
+        mine = torch.empty(counts[rank], dtype=work.dtype)
+        comm.Reduce_scatter(host_view(work), host_view(mine), counts, op=_mpi_op(op, work.dtype))
     scale_(mine, fields["postscale"], size if average and not half else 1)
     results, offset = [], 0
     for (_, entry), t in zip(group, inputs):
