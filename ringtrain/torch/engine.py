@@ -6,29 +6,35 @@ The contract.
   ``broadcast``, ``alltoall``, ``reducescatter``, ``barrier``, their
   async and grouped forms) is collective over its process set: every
   member must submit an op of the same name (unnamed ops are named
-  ``noname.<n>`` by a counter per process set and kind). ``join`` is
-  collective over every rank; ``init``, ``shutdown``, ``add_process_set``,
-  ``remove_process_set``, ``start_timeline`` and ``stop_timeline`` are
-  collective over every rank, in the same order everywhere.
+  ``noname.<n>`` by a counter per process set and kind, so ranks making the
+  same unnamed calls in the same order match). ``join`` is collective over
+  every rank; so are ``init``, ``shutdown``, ``add_process_set``,
+  ``remove_process_set`` and ``stop_timeline``, in the same order everywhere.
 * **Ordering.** Within a process set, ranks may submit named ops in any
-  order: the set's leader (its lowest rank) runs an op once every member
-  has submitted it, and every member runs the set's ops in the leader's
-  order. Process sets do not wait on each other: each has a
-  :class:`~ringtrain.torch.channel.Channel` with communicators of its own,
-  so a set's ops complete as soon as its members have submitted them,
+  order. Each member tells every other member what it submits
+  (:mod:`ringtrain.torch.channel`); once a member has heard an op from every
+  member it knows, as they all do, whether it fails (they disagree), is
+  computed on the spot (a small CPU allreduce, broadcast or barrier: its
+  data came with the announcements), or is a collective, which every member
+  runs in the order the set's leader (its lowest rank) sends. Process sets
+  do not wait on each other: each has a channel with communicators of its
+  own, so a set's ops complete as soon as its members have submitted them,
   whatever ranks outside it do (sleep, compute, or wait in another set's op).
-* **Threading.** ``synchronize`` (and every blocking op) runs its
-  process set's ops on the caller's thread when no other thread is; a
-  channel's own thread runs ops nobody has come for within a cycle
-  (``HOROVOD_CYCLE_TIME``, default 1 ms), and sleeps while the set is
-  idle. One watch thread per engine wakes four times a second. MPI must
-  grant ``MPI_THREAD_MULTIPLE`` (mpi4py's default): several threads call
-  it, each on communicators of its own.
+* **Threading.** ``synchronize`` (and every blocking op) runs its process
+  set's work on the caller's thread when no other thread is; a channel's
+  own thread runs ops nobody has come for within a cycle
+  (``HOROVOD_CYCLE_TIME``, default 1 ms), and sleeps while the set is idle.
+  One watch thread per engine wakes four times a second. MPI must grant
+  ``MPI_THREAD_MULTIPLE`` (mpi4py's default): several threads call it, each
+  on communicators of its own.
 * **Disagreement.** Ranks that submit one name with different kinds,
-  process sets, dtypes, shapes, ops, factors, roots, trailing dimensions
-  or grouped lengths all get the same :class:`CollectiveMismatchError` (a
-  ``HorovodInternalError``). A rank that refuses an op on its own arguments
-  raises ``ValueError`` and its peers get the error too.
+  process sets, dtypes, shapes, ops, factors (NaN on every rank agrees),
+  roots, trailing dimensions or grouped lengths all get a
+  :class:`CollectiveMismatchError` (a ``HorovodInternalError``). A rank
+  that refuses an op on its own arguments (bad splits, an unsupported
+  tensor) raises ``ValueError``, and its peers get an error naming it.
+  A name is in flight from submit until its op completes (synchronized or
+  not): submitting it again meanwhile raises ``ValueError`` on that rank.
 
 What fails how.
 
@@ -40,8 +46,8 @@ What fails how.
 * **A rank that shuts down** (``hvd.shutdown()``, or the end of its
   script, ``sys.exit`` included): as in Horovod, every other rank's ops
   still pending and later ones fail ("rank R has been shut down"); ops
-  this rank left pending fail on it. Nobody waits in ``shutdown`` for a
-  rank that is gone.
+  this rank left pending fail on it. ``shutdown`` never waits for another
+  rank (``MPI_Finalize`` waits for the ranks still running, as MPI does).
 * **A stall** (some members never submit an op): every
   ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) the set's leader prints
   Horovod's warning naming the op and the missing ranks;
