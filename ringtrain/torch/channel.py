@@ -242,14 +242,14 @@ class Channel:
                 self._cond.notify_all()
 
     def _drive_until(self, done, deadline=None):
-        since = time.monotonic()
+        since = now = time.monotonic()
         while not done():
-            now = time.monotonic()
-            if deadline is not None and now > deadline:
-                return
             if self._step(now):
                 since = now
-            else:
+            now = time.monotonic()
+            if now - since > SPIN_S:
+                if deadline is not None and now > deadline:
+                    return
                 _pause(now - since)
 
     def _has_work(self):
@@ -688,8 +688,6 @@ def _pause(waited):
     giving the core to whoever needs it when ranks outnumber cores; a wait
     past a few milliseconds means a late peer, and sleeping costs nothing.
     """
-    if waited < SPIN_S:
-        return
     if waited < YIELD_S:
         os.sched_yield()
     elif waited < 0.1:

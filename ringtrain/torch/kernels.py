@@ -161,6 +161,23 @@ def _fast(tensor):
     return tensor.dtype in _FAST_DTYPES and not tensor.is_cuda and tensor.is_contiguous()
 
 
+def _fast_plan(meta):
+    """The NumPy dtype of a sum or average without scale factors of float32/float64 (else None), remembered."""
+    found = _PLANS.get(id(meta))
+    if found is not None and found[0] is meta:
+        return found[1]
+    fields = dict(meta)
+    plan = (_NUMPY_FAST.get(fields.get("dtype")) if fields.get("op") in ("sum", "average")
+            and fields.get("prescale") == 1.0 and fields.get("postscale") == 1.0 else None)
+    if len(_PLANS) >= 1024:
+        _PLANS.clear()
+    _PLANS[id(meta)] = (meta, plan)  # the meta is kept alive here, so its id is not reused while remembered
+    return plan
+
+
+_PLANS = {}
+
+
 def reduce_locally(meta, inputs, out):
     """An allreduce computed on this rank from every member's input (tensors, or their raw bytes), into ``out``.
 
@@ -169,10 +186,9 @@ def reduce_locally(meta, inputs, out):
     sum, or before it in half precision), so every member computing a small
     op itself (:mod:`ringtrain.torch.channel`) gets the same bits.
     """
-    fields = dict(meta)
-    op, n = fields["op"], len(inputs)
-    if op in ("sum", "average") and fields["prescale"] == 1.0 and fields["postscale"] == 1.0 and _fast(out):
-        numpy_dtype = _NUMPY_FAST[fields["dtype"]]
+    numpy_dtype = _fast_plan(meta)
+    n = len(inputs)
+    if numpy_dtype is not None and _fast(out):
         total = host_array(out)
         arrays = [host_array(x) if isinstance(x, torch.Tensor) else np.frombuffer(x, numpy_dtype) for x in inputs]
         # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
@@ -183,9 +199,11 @@ def reduce_locally(meta, inputs, out):
             np.add(arrays[0], arrays[1], out=total)
         for a in arrays[2:]:
             total += a
-        if op == "average":
+        if meta[_OP][1] == "average":
             total /= numpy_dtype(n)
         return out
+    fields = dict(meta)
+    op = fields["op"]
     dtype = getattr(torch, fields["dtype"])
     work_dtype = reduces_as(dtype)
     average, half = op == "average", work_dtype == torch.float16

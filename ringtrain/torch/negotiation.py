@@ -101,7 +101,7 @@ def refusal(meta):
     return meta[1][1] if len(meta) == 2 and meta[1][0] == "refused" else None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Verdict:
     """What every member does with an op every member has announced (the same on every rank)."""
 
