@@ -43,7 +43,7 @@ import time
 from . import kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
 from .handles import Pending
-from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, stall_report, user_name, verdict
+from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, join_blocks, stall_report, user_name, verdict
 
 __all__ = ["Entry", "Channel", "Decision", "CYCLE_S", "TICK_S", "PROBE_S"]
 
@@ -122,6 +122,8 @@ class Channel:
         self._batch = 0
         self._answers = []                     # JOINED answers to send with the next announcements
         self._join_order = []                  # leader: ranks in the order their JOIN arrived
+        self._to_order = []                    # leader: collectives heard complete, to order in one batch
+        self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
         self._meta_ids = {}                    # meta -> the id this rank announces it under
         self._metas = {}                       # rank -> {id: meta}
@@ -302,8 +304,12 @@ class Channel:
         if self._answers:
             self._send_all(("a", self.rank, self._answers))
             self._answers = []
+        if self._to_order:
+            self._flush_orders()
         if self._ordered:
             moved |= self._run_ordered(now)
+            if self._to_order:  # ops heard complete while those ran (the next of a name): ordered at once
+                self._flush_orders()
         if closing is not None:
             moved |= self._finish_closing(closing, now)
         if self.is_leader and now - self._inspected >= TICK_S:
@@ -336,6 +342,11 @@ class Channel:
         for e in entries:
             self._mine[e.key] = e
             data = self._data_of(e)
+            if e.key in self._failed_joined:
+                self._mine.pop(e.key)
+                self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
+                                                             "while ranks are joined"))
+                continue
             if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if data is not None else None), now):
                 complete.append(e.key)
             if e.key == JOIN and self.is_leader:
@@ -345,14 +356,18 @@ class Channel:
             meta_id = self._meta_ids.get(e.meta)
             new = meta_id is None
             if new:
+                if len(self._meta_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its meta)
+                    self._meta_ids.clear()
                 meta_id = self._meta_ids[e.meta] = len(self._meta_ids)
             items.append((e.key, meta_id, e.meta if new else None, e.info, data))
             if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
                 self._answer_all(now, complete)
         if items:
             self._send_all(("a", self.rank, items))
+        self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
         for key in complete:
-            self._heard_all(key, now)
+            if self._board.complete(key):
+                self._heard_all(key, now)
 
     def _data_of(self, entry):
         """A small op's bytes, sent with its announcement (an allreduce's input; a broadcast's, from its root)."""
@@ -383,24 +398,50 @@ class Channel:
 
     def _heard(self, rank, items, now):
         metas = self._metas.setdefault(rank, {})
-        joining = JOIN in self._mine
         complete = []
         for key, meta_id, meta, info, data in items:
             if meta is not None:
                 metas[meta_id] = meta
+            if key in self._failed_joined:
+                continue  # failed here already: a rank has joined, and only allreduces run
             if self._board.add(rank, key, (metas[meta_id], info, data), now):
                 complete.append(key)
-            if key == JOIN and self.is_leader:
-                self._join_order.append(rank)
-            elif joining and not self._board.has(key, self.rank):
+            if key == JOIN:
+                if self.is_leader:
+                    self._join_order.append(rank)
+                self._check_joined(self._board.keys(), now)
+                continue
+            if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
                 self._answer(key, now, complete)
+            self._check_joined([key], now)
         for key in complete:
-            self._heard_all(key, now)
+            if self._board.complete(key):
+                self._heard_all(key, now)
 
     def _answer_all(self, now, complete):
         for key in self._board.keys():
-            if key != JOIN and not self._board.has(key, self.rank):
+            announced = self._board.partial(key)
+            kind = next((a[0][0][1] for a in announced.values()), None)
+            if key != JOIN and not self._board.has(key, self.rank) and kind == "allreduce":
                 self._answer(key, now, complete)
+
+    def _check_joined(self, keys, now):
+        """Fail at once the ops (not allreduces) that a rank which has joined will never submit."""
+        joined = list(self._board.partial(JOIN))
+        if not joined:
+            return
+        for key in keys:
+            if key == JOIN:
+                continue
+            ranks = join_blocks(key, joined, self._board.partial(key))
+            if ranks is None:
+                continue
+            entry = self._mine.pop(key, None)
+            if entry is not None:
+                self._complete(entry, error=HorovodInternalError(
+                    f"{_label_of(key)}: rank(s) {ranks} have joined; only allreduce runs while ranks are joined"))
+            self._board.drop(key)
+            self._failed_joined.add(key)
 
     def _answer(self, key, now, complete):
         """This rank has joined: it answers an op it did not submit with JOINED (zeros, for an allreduce)."""
@@ -415,7 +456,7 @@ class Channel:
     def _heard_all(self, key, now):
         """Every member has announced ``key``: fail it, compute it here, or (a collective) leave it to be ordered."""
         if self.is_leader and key == JOIN:
-            self._order([(JOIN, RUN, self._join_order[-1])])
+            self._to_order.append((JOIN, RUN, self._join_order[-1]))
             self._join_order = []
             return
         if key == JOIN:
@@ -429,7 +470,7 @@ class Channel:
         elif v.action == LOCAL:
             self._run_local(key, v, now)
         elif self.is_leader:
-            self._order([(key, RUN, None)])
+            self._to_order.append((key, RUN, None))  # sent with the others heard in this step: they may fuse
 
     def _done(self, key, now):
         if self._board.take(key, now):
@@ -464,6 +505,10 @@ class Channel:
 
     # The collectives, in the leader's order.
 
+    def _flush_orders(self):
+        orders, self._to_order = self._to_order, []
+        self._order(orders)
+
     def _order(self, orders):
         """The leader's side: send the order to every member, and follow it here."""
         if self._others:
@@ -493,6 +538,7 @@ class Channel:
                 entry = self._mine.pop(key, None)
                 self._complete(entry, payload)
                 self._done(key, now)
+                self._failed_joined.clear()  # every rank has joined: none will submit those ops again
                 continue
             group = [self._decision(key)]
             decision, entry = group[0]
@@ -591,6 +637,8 @@ class Channel:
         """
         if self.is_leader:
             if not self._told:
+                if self._to_order:
+                    self._flush_orders()
                 ordered = {key for _, key, _, _ in self._ordered}
                 self._order([(key, FAIL, (False, f"{_label_of(key)}: {reason}")) for key in self._board.keys()
                              if key not in ordered])

@@ -27,7 +27,7 @@ import dataclasses
 import math
 
 __all__ = ["Verdict", "Board", "Names", "verdict", "first_difference", "same_value", "refusal", "op_key",
-           "user_name", "conflicts", "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
+           "user_name", "join_blocks", "conflicts", "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
 
 # The key join() announces. A rank that has joined answers every allreduce it
 # did not submit with JOINED (it adds zeros) until every rank has joined.
@@ -203,6 +203,15 @@ class Board:
         """rank -> announcement of ``key`` (a complete op's, once :meth:`add` said so)."""
         return self._entries[key].by_rank
 
+    def partial(self, key):
+        """rank -> announcement of ``key`` heard so far (empty if none)."""
+        entry = self._entries.get(key)
+        return entry.by_rank if entry is not None else {}
+
+    def drop(self, key):
+        """Forget ``key`` and any announcement of it waiting its turn (its op failed here without a match)."""
+        self._entries.pop(key, None)
+
     def complete(self, key):
         entry = self._entries.get(key)
         return entry is not None and len(entry.by_rank) == len(self.members)
@@ -232,6 +241,23 @@ class Board:
         return list(self._entries)
 
 
+def join_blocks(key, joined, announced):
+    """The ranks that have joined, if ``key`` must fail because of them, else None (pure).
+
+    Only allreduces run while ranks are joined (they add zeros); any other
+    op fails at once, without waiting for a match, once a rank that has
+    joined (``joined``, in the order heard) has not submitted it: it never will.
+    """
+    if not joined:
+        return None
+    meta = next((a[0] for a in announced.values() if a[0] != JOINED), None)
+    if meta is None or meta[0][1] == "allreduce":
+        return None
+    if all(j in announced and announced[j][0] != JOINED for j in joined):
+        return None
+    return sorted(joined)
+
+
 def conflicts(process_set, waiting, reports, probe_s):
     """``[(key, error)]`` for ops a missing rank submitted differently: another kind, or another process set (pure).
 
@@ -244,7 +270,7 @@ def conflicts(process_set, waiting, reports, probe_s):
     """
     found = []
     for key, age, missing in waiting:
-        if age < probe_s:
+        if age < probe_s or user_name(key).startswith("noname."):  # unnamed ops of two sets are two ops
             continue
         for rank in missing:
             other = next(((ps, k) for ps, k in reports.get(rank, ()) if user_name(k) == user_name(key)

@@ -202,6 +202,19 @@ def test_many_small_async_allreduces_fuse_and_each_gets_its_own_result():
         np.testing.assert_array_equal(hvd.synchronize(handle).numpy(), _everyone(values).sum(0))
 
 
+@pytest.mark.mpi
+def test_many_async_collectives_of_different_shapes_fuse_and_each_gets_its_own_result():
+    # Large enough to be collectives (ordered by the leader) rather than computed on the spot.
+    rank = COMM.Get_rank()
+    pending = []
+    for i in range(12):
+        tensor, values = _data((3000 + 7 * i,), torch.float64, seed=rank * 1000 + i)
+        pending.append((hvd.allreduce_async(tensor, op=hvd.Sum if i % 2 else hvd.Average), values, i))
+    for handle, values, i in pending:
+        want = _everyone(values).sum(0) / (1 if i % 2 else COMM.Get_size())
+        np.testing.assert_array_equal(hvd.synchronize(handle).numpy(), want, err_msg=str(i))
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("what", ["shape", "dtype", "op", "root", "rows"])
 def test_ranks_that_disagree_raise_on_every_rank(what):
@@ -321,6 +334,19 @@ def test_a_joined_rank_adds_zeros_and_join_returns_the_last_rank_everywhere():
     if rank:
         np.testing.assert_array_equal(got.numpy(), np.sum(contributions, axis=0))
     assert last != 0 and COMM.allgather(last) == [last] * size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_while_a_rank_is_joined_other_ops_fail_at_once_even_unnamed_and_out_of_step():
+    # Horovod's pattern: each rank in turn joins first; the others' unnamed allgathers fail at once, although
+    # their per-kind counters no longer agree with the joined rank's (it made no allgather that round).
+    rank, size = COMM.Get_rank(), COMM.Get_size()
+    for first in range(size):
+        if rank != first:
+            with pytest.raises(RuntimeError, match="joined"):
+                hvd.allgather(torch.ones(3, 2))
+        last = hvd.join()
+        assert last != first and COMM.allgather(last) == [last] * size
 
 
 @pytest.mark.mpi(min_size=2)

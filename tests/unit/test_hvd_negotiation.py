@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 from ringtrain.torch import kernels  # noqa: E402 - after the importorskip above
 from ringtrain.torch.engine import stall_times  # noqa: E402
 from ringtrain.torch.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
-                                         first_difference, same_value, stall_report, verdict)
+                                         first_difference, join_blocks, same_value, stall_report, verdict)
 from ringtrain.torch.ops_async import alltoall_splits  # noqa: E402
 
 MEMBERS = (0, 1, 2)
@@ -103,6 +103,19 @@ def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_c
     assert set(found) == {"allreduce.x", "allreduce.y"}  # z has not waited long enough to tell
     assert "rank 1 submitted it as allgather on process set 0" in found["allreduce.x"]
     assert "rank 1 submitted it as allreduce on process set 3, not allreduce on process set 0" in found["allreduce.y"]
+
+
+def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
+    waiting = [("barrier.noname.0", 5.0, [0, 2])]
+    assert conflicts(0, waiting, {2: [(1, "barrier.noname.0")]}, probe_s=1.0) == []
+
+
+def test_only_allreduces_wait_for_a_rank_that_has_joined():
+    gather = (("kind", "allgather"),)
+    assert join_blocks("allgather.x", [1], {0: (gather, None, None)}) == [1]  # rank 1 never will
+    assert join_blocks("allgather.x", [1], {0: (gather, None, None), 1: (gather, None, None)}) is None
+    assert join_blocks("allreduce.x", [1], {0: (reduction(), None, None)}) is None  # rank 1 adds zeros
+    assert join_blocks("allgather.x", [], {0: (gather, None, None)}) is None
 
 
 def test_horovods_stall_warning_names_the_missing_ranks_and_marks_those_past_the_shutdown_time():
