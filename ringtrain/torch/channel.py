@@ -125,7 +125,8 @@ class Channel:
         self._to_order = []                    # leader: collectives heard complete, to order in one batch
         self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
-        self._meta_ids = {}                    # meta -> the id this rank announces it under
+        self._meta_ids = {}                    # id(meta) -> (meta, the id this rank announces it under)
+        self._next_meta_id = 0
         self._metas = {}                       # rank -> {id: meta}
         self._closing = None
         self._closed = None
@@ -353,12 +354,7 @@ class Channel:
                 self._join_order.append(self.rank)
             if not self._others:
                 continue
-            meta_id = self._meta_ids.get(e.meta)
-            new = meta_id is None
-            if new:
-                if len(self._meta_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its meta)
-                    self._meta_ids.clear()
-                meta_id = self._meta_ids[e.meta] = len(self._meta_ids)
+            meta_id, new = self._meta_id(e.meta)
             items.append((e.key, meta_id, e.meta if new else None, e.info, data))
             if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
                 self._answer_all(now, complete)
@@ -368,6 +364,18 @@ class Channel:
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
+
+    def _meta_id(self, meta):
+        """``(id, new)``: the id ``meta`` is announced under, and whether it must go with it this once."""
+        found = self._meta_ids.get(id(meta))  # metas are kept one per kind of op (ops_async): ids are cheap keys
+        if found is not None and found[0] is meta:
+            return found[1], False
+        if len(self._meta_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its meta,
+            self._meta_ids.clear()       # so the members' tables of ids stay as small)
+            self._next_meta_id = 0
+        self._next_meta_id += 1
+        self._meta_ids[id(meta)] = (meta, self._next_meta_id)  # the meta kept alive: its id is not reused
+        return self._next_meta_id, True
 
     def _data_of(self, entry):
         """A small op's bytes, sent with its announcement (an allreduce's input; a broadcast's, from its root)."""
@@ -445,11 +453,8 @@ class Channel:
 
     def _answer(self, key, now, complete):
         """This rank has joined: it answers an op it did not submit with JOINED (zeros, for an allreduce)."""
-        if JOINED not in self._meta_ids:
-            self._meta_ids[JOINED] = len(self._meta_ids)
-            self._answers.append((key, self._meta_ids[JOINED], JOINED, None, None))
-        else:
-            self._answers.append((key, self._meta_ids[JOINED], None, None, None))
+        meta_id, new = self._meta_id(JOINED)
+        self._answers.append((key, meta_id, JOINED if new else None, None, None))
         if self._board.add(self.rank, key, (JOINED, None, None), now):
             complete.append(key)
 

@@ -36,6 +36,7 @@ __all__ = ["SUPPORTED", "RING_DTYPES", "FUSABLE", "check_tensor", "dtype_name", 
 # What Horovod's torch ops accept.
 SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
              torch.float32, torch.float64, torch.bool)
+_SUPPORTED = frozenset(SUPPORTED)
 # The dtypes ringtrain's own allreduce (ringtrain.comm) reduces; the rest go to MPI's Allreduce.
 RING_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
 FUSABLE = ("allreduce", "reducescatter")
@@ -55,10 +56,10 @@ def check_tensor(tensor, who):
     """The problem with a tensor no collective takes, as one line, or None (pure)."""
     if not isinstance(tensor, torch.Tensor):
         return f"{who}: expected a torch.Tensor, got {type(tensor).__name__}"
-    if tensor.dtype not in SUPPORTED:
+    if tensor.dtype not in _SUPPORTED:
         names = ", ".join(dtype_name(d) for d in SUPPORTED)
         return f"{who}: tensor type {dtype_name(tensor.dtype)} is not supported; use one of {names}"
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):
         return f"{who}: a tensor on {tensor.device}: only CPU and CUDA tensors are supported"
     if tensor.is_sparse:
         return f"{who}: a sparse tensor; use sparse_allreduce_async, or sparse_as_dense=True in the optimizer"

@@ -121,7 +121,7 @@ def verdict(key, members, by_rank):
         by_rank: rank -> announcement, for every member.
     """
     meta = by_rank[members[0]][0]
-    if refusal(meta) is None and meta != JOINED and all(by_rank[r][0] == meta for r in members):
+    if meta[-1][0] != "refused" and meta != JOINED and all(by_rank[r][0] == meta for r in members):
         # The common case: every member agrees, and none has joined or refused.
         return Verdict(_action(meta[0][1], meta, members, members, by_rank), meta)
     label = f"{key.partition('.')[0]} {user_name(key)!r}"

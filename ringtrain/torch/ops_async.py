@@ -76,7 +76,7 @@ def submit(kind, name, process_set, describe, exact=False):
 def _any_cuda(args):
     first = args[0]
     if isinstance(first, torch.Tensor):
-        return first.is_cuda or any(isinstance(t, torch.Tensor) and t.is_cuda for t in args[1:])
+        return first.is_cuda  # a single op's input and output are on one device (checked by its kind)
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in _tensors(args))
 
 
@@ -100,12 +100,12 @@ _METAS = {}  # what a reduction is announced with, one tuple per distinct op (ch
 
 def _reduce_meta(kind, tensor, op, prescale_factor, postscale_factor):
     _checked(tensor, kind)
-    key = (kind, tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, tensor.device.type)
+    key = (kind, tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, tensor.is_cuda)
     meta = _METAS.get(key)
     if meta is None:
         meta = (("kind", kind), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
                 ("op", op_name(op)), ("prescale", float(prescale_factor)), ("postscale", float(postscale_factor)),
-                ("device", tensor.device.type))
+                ("device", "cuda" if tensor.is_cuda else "cpu"))
         if len(_METAS) > 4096:  # a program of ever-new shapes must not grow this without bound
             _METAS.clear()
         _METAS[key] = meta
