@@ -14,8 +14,8 @@ CASE is what rank 1 does while the others submit the op ``loss``:
 * ``set-stall``: ranks 1 and 2 make a process set, and rank 2 is 4 s late to its op (check 1 s).
 
 Every other rank prints one line per op: ``<op> failed: <message>`` or
-``<op> ok``. In ``stall`` a waiting rank, once its op has failed, tells rank
-1 over MPI; rank 1 prints whether that word came before it arrived.
+``<op> ok``. In ``stall`` each waiting rank, once its op has failed, tells
+rank 1 over MPI; rank 1 prints whether that word came before it arrived.
 """
 
 import os
@@ -54,13 +54,17 @@ def late_rank(case):
         MPI.COMM_WORLD.recv(source=0, tag=WORD)  # stays alive until rank 0 has seen its ops fail
         return
     if case == "stall":
-        early = MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=WORD)
+        comm = MPI.COMM_WORLD
+        early = comm.Iprobe(source=MPI.ANY_SOURCE, tag=WORD)
         deadline = time.monotonic() + 20
         while not early and time.monotonic() < deadline:
             time.sleep(0.1)
-            early = MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=WORD)
-        print(f"rank 1: {'a peer failed before I arrived' if early else 'no word before I arrived'}", flush=True)
+            early = comm.Iprobe(source=MPI.ANY_SOURCE, tag=WORD)
         attempt("loss", lambda: hvd.allreduce(torch.ones(2), name="loss"))
+        # Every waiting rank's word is received (MPICH ends a job whose ranks exit with a probed message unread).
+        words = [comm.recv(source=r, tag=WORD) for r in range(comm.Get_size()) if r != 1]
+        print(f"rank 1: {'a peer failed before I arrived' if early and all(words) else 'no word before I arrived'}",
+              flush=True)
         return
     time.sleep(120)  # bound: never arrives
 
@@ -109,8 +113,8 @@ def main(case):
     failed = not attempt("loss", lambda: hvd.allreduce(torch.ones(2), name="loss"))
     attempt("pending", lambda: hvd.synchronize(pending))
     attempt("later", lambda: hvd.allreduce(torch.ones(2), name="later"))
-    if failed and case == "stall":
-        MPI.COMM_WORLD.send(True, dest=1, tag=WORD)
+    if case == "stall":
+        MPI.COMM_WORLD.send(failed, dest=1, tag=WORD)
     if case == "shutdown":
         if hvd.rank() == 0:
             MPI.COMM_WORLD.send(True, dest=1, tag=WORD)
