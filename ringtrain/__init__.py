@@ -1,9 +1,9 @@
 """ringtrain: data-parallel training under MPI with a ring allreduce.
 
-The public API; see README.md for the commands.
+The public API; the documentation is in docs/ (docs/library.md, docs/api/ringtrain.md).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 from .comm import allreduce, allreduce_, allreduce_many_, broadcast_
 from .io.checkpoint import CheckpointError, load_checkpoint

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from . import __version__
 from .errors import UsageError
@@ -222,6 +223,9 @@ def _rank_variable():
 def main(argv=None):
     """Entry point of ``ringtrain`` and ``python -m ringtrain``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # mpi4py warns in four lines at import when another MPI's mpirun started
+    # it; the launcher check (TaskSpec.from_mpi) says the same in one.
+    warnings.filterwarnings("ignore", message="suspicious MPI execution environment", category=RuntimeWarning)
     try:
         with abort_on_error():
             if _is_collective(_command_of(argv)):

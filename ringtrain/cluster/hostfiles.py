@@ -7,6 +7,7 @@ Pure parsing and checks (tested without MPI or a network), plus
 
 import concurrent.futures
 import dataclasses
+import ipaddress
 import os
 import re
 import socket
@@ -16,7 +17,8 @@ from ..errors import UsageError
 from ..io.safeio import Unreadable, open_regular_fd
 
 __all__ = ["Host", "EXPECTED", "parse_hostfile", "read_hostfile", "parse_host_list", "format_hostfile",
-           "check_slots", "check_total_slots", "np_limit", "check_np", "check_hosts", "MAX_NP", "RANKS_PER_CORE"]
+           "check_slots", "check_total_slots", "np_limit", "check_np", "check_hosts", "ipv6_problem", "MAX_NP",
+           "RANKS_PER_CORE"]
 
 EXPECTED = "expected 'host slots=N' or 'host:N'"
 _HOST = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
@@ -60,8 +62,33 @@ def check_total_slots(hosts, source):
     return hosts
 
 
+def ipv6_problem(entry):
+    """The one line that refuses an IPv6 address as a host, or None when ``entry`` has none (pure).
+
+    ``entry`` is a hostfile line, a ``-H`` item or a discovery line. MPI's
+    host lists separate a host from its slots with a colon, and MPICH's
+    mpiexec, given an IPv6 literal in a hostfile or ``-hosts``, hangs or
+    tries to ssh to ``[``; a host name that resolves to the address works.
+    """
+    word = entry.split()[0] if entry.split() else ""
+    candidates = [word, word.rsplit(":", 1)[0]]
+    if word.startswith("["):
+        candidates.append(word[1:].split("]", 1)[0])
+    for text in candidates:
+        try:
+            address = ipaddress.IPv6Address(text.split("%", 1)[0])
+        except ValueError:
+            continue
+        return (f"{text!r} is an IPv6 address, which MPI's host lists cannot carry; give the host by name "
+                f"(an /etc/hosts line such as '{address} node1' makes one) or by its IPv4 address")
+    return None
+
+
 def _parse_line(line, where):
     """One non-blank hostfile line (comment removed) -> Host, in either syntax."""
+    v6 = ipv6_problem(line)
+    if v6 is not None:
+        raise UsageError(f"{where}: {v6}")
     words = line.split()
     if len(words) == 1:
         match = _MPICH_LINE.fullmatch(words[0])
@@ -156,6 +183,9 @@ def parse_host_list(text):
     hosts = []
     for number, item in enumerate(text.split(","), start=1):
         item = item.strip()
+        v6 = ipv6_problem(item)
+        if v6 is not None:
+            raise UsageError(f"-H entry {number}: {v6}")
         match = _MPICH_LINE.fullmatch(item)
         if not match:
             raise UsageError(f"-H entry {number}: expected 'host:N', got {item!r} (e.g. -H node1:2,node2:2)")

@@ -17,18 +17,21 @@ import time
 from . import leftovers, reaper
 from .signals import swapped_handlers
 
-__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "failure_report",
-           "format_failure_report", "failed_rank", "first_failed", "exit_record_name", "parse_exit_record",
-           "read_rank_logs", "read_exit_records", "read_tail", "Forwarder", "run_job",
-           "run_with_restarts", "STOP_SIGNALS", "FORWARDED"]
+__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "gave_up_line",
+           "not_restarted_line", "failure_report", "format_failure_report", "failed_rank", "first_failed",
+           "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail",
+           "report_failure", "report_success", "Forwarder", "run_job", "run_with_restarts", "STOP_SIGNALS",
+           "FORWARDED"]
 
 
 # --- restarts and failure reports (pure) --------------------------------------
 
 # Statuses a restart cannot fix: 2 is a usage error (a bad flag or file, the
 # same on the next run); 4 is a diverged training run (restarted with the same
-# --lr it diverges again); 126 and 127 are a command that cannot be run.
-NO_RESTART_STATUSES = (2, 4, 126, 127)
+# --lr it diverges again); 75 is a run that stopped before its Slurm job's
+# time limit (a restart has no time left; the job's requeue goes on); 126 and
+# 127 are a command that cannot be run.
+NO_RESTART_STATUSES = (2, 4, 75, 126, 127)
 
 
 def exit_status(returncode):
@@ -51,6 +54,17 @@ def restart_line(status, restart, max_restarts, delay, rank=None):
     why = f" (rank {rank} failed)" if rank is not None else ""
     return (f"ringtrain launch: job exited with status {status}{why}; "
             f"restart {restart} of {max_restarts} in {delay:g}s")
+
+
+def gave_up_line(status, restarts):
+    """The line printed when a job failed again after its last allowed restart (pure)."""
+    return (f"ringtrain launch: gave up: the job failed again (status {status}) after {restarts} restart(s), "
+            "as many as --restarts allows; fix the failure above, or give a larger --restarts")
+
+
+def not_restarted_line(status):
+    """The line printed when a job ended after the user's SIGUSR1 (pure)."""
+    return f"ringtrain launch: the job ended (status {status}) after the SIGUSR1 you sent; not restarting it"
 
 
 RESTART_MARK = "ringtrain launch: restart "
@@ -143,8 +157,17 @@ def format_failure_report(logdir, shown):
     out = []
     for rank, tail in shown:
         out.append(f"ringtrain launch: last {len(tail)} line(s) of {os.path.join(logdir, f'rank-{rank}.log')}:")
-        out += ["    " + line for line in tail]
+        out += ["    " + _cut(line) for line in tail]
     return out
+
+
+# A log's last "line" may be megabytes without a newline (a progress bar, a
+# dump cut short by a full disk); the report shows its start.
+MAX_LINE = 500
+
+
+def _cut(line):
+    return line if len(line) <= MAX_LINE else f"{line[:MAX_LINE]}... ({len(line):,} characters)"
 
 
 def read_rank_logs(logdir):
@@ -212,6 +235,7 @@ class Forwarder:
         self.stopped = None  # the first stop signal received, if any
         self.stopped_at = None
         self.insisted_at = None  # when a second stop signal came
+        self.asked_to_checkpoint = False  # the user sent SIGUSR1: a job that ends after it is not restarted
         self._handlers = None
 
     def __enter__(self):
@@ -225,6 +249,8 @@ class Forwarder:
         self._handlers.__exit__(None, None, None)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGUSR1:
+            self.asked_to_checkpoint = True
         if signum in STOP_SIGNALS and self.stopped is not None and self.insisted_at is None:
             self.insisted_at = time.monotonic()
         if signum in STOP_SIGNALS and self.stopped is None:
@@ -250,8 +276,12 @@ def _die_with_launcher():
         pass
 
 
-def _wait(proc, forwarder):
-    """Wait for mpiexec to end; after a stop signal, escalate as :func:`reaper.next_step` says."""
+def _wait(proc, forwarder, tick=None):
+    """Wait for mpiexec to end; after a stop signal, escalate as :func:`reaper.next_step` says.
+
+    ``tick``, if given, is called about five times a second while the job
+    runs and nobody asked it to stop (the elastic launcher watches its hosts).
+    """
     forced = False
     while True:
         try:
@@ -259,6 +289,8 @@ def _wait(proc, forwarder):
         except subprocess.TimeoutExpired:
             pass
         if forwarder.stopped is None:
+            if tick is not None:
+                tick()
             continue
         now = time.monotonic()
         insisted = None if forwarder.insisted_at is None else now - forwarder.insisted_at
@@ -272,11 +304,11 @@ def _wait(proc, forwarder):
             forwarder.send(signal.SIGINT)
 
 
-def run_job(args, env, forwarder):
+def run_job(args, env, forwarder, tick=None):
     """Start mpiexec, pass signals on while it runs, and return its exit status.
 
     After a failure, the shared-memory segments the job left on this host
-    are removed (:mod:`ringtrain.cluster.leftovers`).
+    are removed (:mod:`ringtrain.cluster.leftovers`). ``tick``: see :func:`_wait`.
     """
     if forwarder.stopped is not None:
         return 128 + forwarder.stopped
@@ -287,7 +319,7 @@ def run_job(args, env, forwarder):
     try:
         if forwarder.stopped is not None:  # a signal came while it was starting
             forwarder.send(forwarder.stopped)
-        status = exit_status(_wait(forwarder.proc, forwarder))
+        status = exit_status(_wait(forwarder.proc, forwarder, tick))
     finally:
         forwarder.proc = None
     if status != 0:
@@ -303,15 +335,45 @@ def _sleep_unless_stopped(seconds, forwarder):
     return forwarder.stopped is not None
 
 
-def _report_failure(logdir, stderr):
+def report_failure(logdir, stderr):
     """Print the failing rank's last lines from the rank logs; returns the rank, if known."""
     if logdir is None:
         return None
     rank, shown = failure_report(read_rank_logs(logdir), exits=read_exit_records(logdir))
     for line in format_failure_report(logdir, shown):
         print(line, file=stderr)
+    full = _full_disk_line(logdir)
+    if full:
+        print(full, file=stderr)
     stderr.flush()
     return rank
+
+
+def report_success(logdir, stderr, lines=5):
+    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went)."""
+    path = os.path.join(logdir, "rank-0.log")
+    try:
+        tail = last_run(read_tail(path)).splitlines()[-lines:]
+    except OSError:
+        tail = []
+    print(f"ringtrain launch: the job finished (exit status 0); each rank's output is in "
+          f"{os.path.join(logdir, 'rank-R.log')}" + (f"; the last {len(tail)} line(s) of {path}:" if tail else ""),
+          file=stderr)
+    for line in tail:
+        print("    " + _cut(line), file=stderr)
+    stderr.flush()
+
+
+def _full_disk_line(logdir):
+    """The line that says the rank logs are cut short because their file system is full, or None."""
+    from .launch import MIN_LOG_SPACE, free_bytes
+
+    free = free_bytes(logdir)
+    if free is None or free >= MIN_LOG_SPACE:
+        return None
+    return (f"ringtrain launch: the file system of {logdir} is full ({free:,} bytes free): the ranks' output "
+            "there is cut short, and a rank that cannot write its output may fail for that alone; free some "
+            "space or choose another -o")
 
 
 def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
@@ -331,12 +393,18 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
     with Forwarder() as forwarder:
         restart = 0
         while True:
+            forwarder.asked_to_checkpoint = False
             status = run_job(args_for(restart), env, forwarder)
             stopped = forwarder.stopped is not None
             if status == 0 or stopped:
                 return status
-            rank = _report_failure(logdir, stderr)
+            if forwarder.asked_to_checkpoint:
+                print(not_restarted_line(status), file=stderr, flush=True)
+                return status
+            rank = report_failure(logdir, stderr)
             if not should_restart(status, restart, max_restarts, stopped):
+                if max_restarts and status not in NO_RESTART_STATUSES:
+                    print(gave_up_line(status, restart), file=stderr, flush=True)
                 return status
             restart += 1
             print(restart_line(status, restart, max_restarts, delay, rank), file=stderr, flush=True)

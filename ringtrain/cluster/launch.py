@@ -31,7 +31,8 @@ import tempfile
 
 from ..errors import UsageError
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
-from .jobs import run_with_restarts
+from .jobs import report_success, run_with_restarts
+from .slurm import allocation_hosts, allocation_tasks, step_tasks
 
 __all__ = [
     "RANK_VARIABLES",
@@ -50,7 +51,9 @@ __all__ = [
     "check_request",
     "check_runnable",
     "check_logdir",
+    "make_logdir",
     "plan_launch",
+    "slurm_request",
     "launch",
 ]
 
@@ -155,7 +158,7 @@ def mpirun_command(np, command, mpirun=None, flavour=None, extra=()):
 # --- the command line (pure) ------------------------------------------------
 
 def launch_command(np, command, *, mpirun, flavour, hostfile=None, hosts=None, logdir=None,
-                   python=sys.executable, oversubscribe=False, restart=0):
+                   python=sys.executable, oversubscribe=False, restart=0, records=None):
     """The exact argument list and extra environment for a job (pure).
 
     Args:
@@ -170,6 +173,8 @@ def launch_command(np, command, *, mpirun, flavour, hostfile=None, hosts=None, l
         oversubscribe: more ranks than the hosts' slots, on purpose.
         restart: which restart this is (0: the first run); a restart appends
             to the rank logs instead of replacing the failed run's output.
+        records: without ``logdir``, a directory for the per-rank exit
+            records only (the elastic launcher's; the output stays where it was).
 
     Returns:
         ``(args, env)``: the argument list and the variables to add to the
@@ -207,6 +212,8 @@ def launch_command(np, command, *, mpirun, flavour, hostfile=None, hosts=None, l
         args += [python, "-m", "ringtrain.cluster.rank_log"]
         args += ["--restart", str(restart)] if restart else []
         args += [logdir, "--"]
+    elif records is not None:
+        args += [python, "-m", "ringtrain.cluster.rank_log", "--records-only", records, "--"]
     return args + list(command), _root_env(flavour)
 
 
@@ -240,6 +247,11 @@ class Plan:
                               hosts=None if self.hostfile else self.hosts, logdir=self.logdir,
                               oversubscribe=self.oversubscribe, restart=restart)
 
+    def start(self, np, hosts, restart, records=None):
+        """The command line and extra environment of an elastic start: ``np`` ranks on ``hosts`` (inline)."""
+        return launch_command(np, self.command, mpirun=self.mpirun, flavour=self.flavour, hosts=hosts,
+                              logdir=self.logdir, oversubscribe=self.oversubscribe, restart=restart, records=records)
+
 
 def _inside_mpi_job(env):
     # Not SLURM_PROCID: an sbatch script has it too, and launching from one is right.
@@ -247,13 +259,47 @@ def _inside_mpi_job(env):
 
 
 def check_request(np, command, hostfile=None, host_list=None, env=None):
-    """The checks that need no file or MPI: a command, one host source, not under mpirun (pure)."""
+    """The checks that need no file or MPI: a command, one host source, one copy of the launcher (pure)."""
+    env = os.environ if env is None else env
     if not command:
         raise UsageError("no command given; put it after '--', e.g. ringtrain launch -np 2 -- ringtrain info")
     if hostfile and host_list:
         raise UsageError("give --hostfile or -H, not both")
-    if _inside_mpi_job(os.environ if env is None else env):
+    _check_one_copy(env)
+    if _inside_mpi_job(env):
         raise UsageError("ringtrain launch starts mpirun itself; run it without mpirun")
+
+
+def _check_one_copy(env):
+    """Refuse a launcher that srun or torchrun started several copies of: each would start the whole job."""
+    tasks = step_tasks(env)
+    if tasks is not None and tasks > 1:
+        raise UsageError(f"srun started {tasks} copies of ringtrain launch (SLURM_STEP_NUM_TASKS={tasks}), each of "
+                         "which would start the whole job; run it once, in the batch script or under salloc, "
+                         "where it takes the allocation's hosts")
+    size = env.get("WORLD_SIZE", "")
+    if size.isdigit() and int(size) > 1:
+        raise UsageError(f"torchrun started {size} copies of ringtrain launch (WORLD_SIZE={size}), each of which "
+                         "would start the whole job; run it once, without torchrun")
+
+
+def slurm_request(np, hostfile, host_list, env):
+    """``(np, hosts)`` inside a Slurm allocation when no hosts were given: the allocation's (pure).
+
+    Outside an allocation, or with ``--hostfile``/``-H``, ``(np, None)``.
+    ``np`` defaults to ``SLURM_NTASKS``; without an allocation it is required.
+    """
+    hosts = None
+    if not (hostfile or host_list):
+        try:
+            hosts = allocation_hosts(env)
+        except ValueError as exc:
+            raise UsageError(f"cannot read the Slurm allocation's hosts: {exc}; give --hostfile or -H") from None
+    if np is None:
+        np = allocation_tasks(env) if hosts else None
+        if np is None:
+            raise UsageError("-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)")
+    return np, hosts
 
 
 def _check_restarts(restarts, delay):
@@ -283,6 +329,27 @@ def check_logdir(logdir):
         raise UsageError(f"-o {logdir}: {parent} is not a directory; choose another log directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"-o {logdir}: cannot create it, {parent} is not writable; choose another log directory")
+    free = free_bytes(parent)
+    if free is not None and free < MIN_LOG_SPACE:
+        raise UsageError(f"-o {logdir}: its file system is full ({free:,} bytes free), so the ranks' output "
+                         "could not be written; free some space or choose another log directory")
+
+
+# Below this much free space, not even the ranks' first lines fit in their logs.
+MIN_LOG_SPACE = 64 * 1024
+
+
+def free_bytes(path):
+    """Bytes an ordinary user may still write on ``path``'s file system, or None when it will not say.
+
+    None too for a file system with no blocks at all (/proc, /sys): it has
+    no space to run out of, and says 0.
+    """
+    try:
+        fs = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return fs.f_bavail * fs.f_frsize if fs.f_blocks else None
 
 
 def check_runnable(command, path=None):
@@ -301,11 +368,17 @@ def check_runnable(command, path=None):
 
 
 def plan_launch(np, command, *, hostfile=None, host_list=None, logdir=None, mpirun=None,
-                oversubscribe=False):
-    """Check a request and decide everything about the job; writes and starts nothing."""
-    check_request(np, command, hostfile, host_list)
+                oversubscribe=False, env=None):
+    """Check a request and decide everything about the job; writes and starts nothing.
+
+    Inside a Slurm allocation without ``hostfile`` or ``host_list``, the
+    hosts and (when ``np`` is None) the rank count are the allocation's.
+    """
+    env = os.environ if env is None else env
+    check_request(np, command, hostfile, host_list, env)
+    np, hosts = slurm_request(np, hostfile, host_list, env)
     mpirun = _resolve_mpirun(mpirun)
-    hosts = read_hostfile(hostfile) if hostfile else parse_host_list(host_list) if host_list else None
+    hosts = read_hostfile(hostfile) if hostfile else parse_host_list(host_list) if host_list else hosts
     check_np(np, hosts, cpu_count=os.cpu_count(), oversubscribe=oversubscribe)
     logdir = os.path.abspath(logdir) if logdir is not None else None
     if logdir is not None:
@@ -341,11 +414,7 @@ def _write_files(plan):
     """Make the log directory and write the translated hostfile; returns (hostfile path, temp dir)."""
     workdir = None
     if plan.logdir is not None:
-        try:
-            os.makedirs(plan.logdir, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"-o {plan.logdir}: cannot create it ({exc.strerror}); "
-                             "choose another log directory") from None
+        make_logdir(plan.logdir)
     if not plan.hostfile:
         return None, None
     if plan.logdir is not None:
@@ -355,6 +424,14 @@ def _write_files(plan):
         target = os.path.join(workdir, "hostfile")
     write_replacing(target, format_hostfile(plan.hosts, plan.flavour))
     return target, workdir
+
+
+def make_logdir(logdir):
+    """Create ``-o``'s directory, or say in one line why it cannot be."""
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"-o {logdir}: cannot create it ({exc.strerror}); choose another log directory") from None
 
 
 def write_replacing(path, text):
@@ -376,7 +453,8 @@ def write_replacing(path, text):
 
 
 def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=False, mpirun=None,
-           check=False, restarts=0, restart_delay=3.0, oversubscribe=False, stdout=None, stderr=None):
+           check=False, restarts=0, restart_delay=3.0, oversubscribe=False, stdout=None, stderr=None,
+           elastic=None):
     """Validate, print the exact MPI command, run it, and return its exit status.
 
     Everything is checked before anything is written or started: a bad
@@ -386,11 +464,12 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
     launcher waits for it to end.
 
     Args:
-        np: number of ranks (at least 1).
+        np: number of ranks (at least 1); None inside a Slurm allocation: its ``SLURM_NTASKS``.
         command: the program and its arguments, run on every rank.
         hostfile: a hostfile in Open MPI or MPICH syntax; it is rewritten in the
             syntax the detected MPI reads.
-        host_list: ``"host1:2,host2:2"``, instead of a hostfile.
+        host_list: ``"host1:2,host2:2"``, instead of a hostfile. Without
+            either, inside a Slurm allocation, the allocation's hosts.
         logdir: write each rank's output to ``logdir/rank-R.log``; on failure
             the failing rank's last lines are printed.
         dry_run: print the command (and the translated hostfile) and stop.
@@ -399,6 +478,10 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
         restarts: start a failed job again up to this many times.
         restart_delay: seconds to wait before each restart.
         oversubscribe: allow more ranks than slots (or than 64 per core on one host).
+        elastic: horovodrun's elastic settings, a dict of the keyword
+            arguments of :func:`ringtrain.cluster.elastic.launch_elastic`
+            (``min_np``, ``max_np``, ``discovery_script``, ``slots_per_host``,
+            ``elastic_timeout``, ``reset_limit``, ``cooldown``), or None.
 
     Returns:
         The last job's exit status (``128 + signal`` when mpirun was killed).
@@ -406,8 +489,14 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     _check_restarts(restarts, restart_delay)
+    if elastic is not None:
+        return _launch_elastic(np, command, hostfile, host_list, logdir, dry_run, mpirun, check, restarts,
+                               restart_delay, oversubscribe, elastic, stdout, stderr)
     plan = plan_launch(np, command, hostfile=hostfile, host_list=host_list, logdir=logdir,
                        mpirun=mpirun, oversubscribe=oversubscribe)
+    if plan.hosts and not (hostfile or host_list):
+        print(f"ringtrain launch: {plan.np} rank(s) on Slurm job {os.environ.get('SLURM_JOB_ID')}'s hosts: "
+              + ",".join(f"{h.name}:{h.slots}" for h in plan.hosts), file=stderr, flush=True)
     if check:
         _run_host_checks(plan, stderr)
     if dry_run:
@@ -426,8 +515,32 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
         stdout.flush()
         env = dict(os.environ)
         env.update(_root_env(plan.flavour))
-        return run_with_restarts(lambda restart: plan.args(target, restart)[0], env, plan.logdir, restarts,
-                                 restart_delay, stderr)
+        status = run_with_restarts(lambda restart: plan.args(target, restart)[0], env, plan.logdir, restarts,
+                                   restart_delay, stderr)
+        if status == 0 and plan.logdir is not None:
+            report_success(plan.logdir, stderr)
+        return status
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _launch_elastic(np, command, hostfile, host_list, logdir, dry_run, mpirun, check, restarts, restart_delay,
+                    oversubscribe, elastic, stdout, stderr):
+    """``launch`` with horovodrun's elastic flags: see :mod:`ringtrain.cluster.elastic`."""
+    from .elastic import launch_elastic
+
+    if restarts:
+        raise UsageError("--restarts is for a job of fixed size; with the elastic flags give --reset-limit")
+    if np is None:
+        raise UsageError("the elastic flags need -np N, the number of ranks of the first start")
+    check_request(np, command, hostfile, host_list)
+    mpirun = _resolve_mpirun(mpirun)
+    logdir = os.path.abspath(logdir) if logdir is not None else None
+    if logdir is not None:
+        check_logdir(logdir)
+    if not (hostfile or host_list or elastic.get("discovery_script")):
+        check_runnable(command)
+    plan = Plan(np, tuple(command), mpirun, detect_flavour(mpirun), logdir=logdir, oversubscribe=oversubscribe)
+    return launch_elastic(plan, np=np, host_source=(hostfile, host_list), restart_delay=restart_delay, check=check,
+                          dry_run=dry_run, stdout=stdout, stderr=stderr, **elastic)

@@ -4,6 +4,10 @@
 every rank::
 
     python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND...
+    python -m ringtrain.cluster.rank_log --records-only DIR -- COMMAND...
+
+(the second, for an elastic launch without ``-o``, leaves the output where
+it was and writes only the exit record, so the launcher knows whose host failed).
 
 The rank comes from the variable the MPI launcher sets; the file is opened,
 made the process's stdout and stderr, and the command runs as a child that
@@ -23,15 +27,20 @@ import time
 from .jobs import FORWARDED, RESTART_MARK, exit_record_name
 from .launch import RANK_VARIABLES, rank_from_env
 
-__all__ = ["rank_from_env", "open_log", "run_recorded", "main"]
+__all__ = ["rank_from_env", "open_log", "run_recorded", "die_of", "group_signalled", "main"]
 
-USAGE = "usage: python -m ringtrain.cluster.rank_log [--restart N] LOGDIR -- COMMAND..."
+USAGE = "usage: python -m ringtrain.cluster.rank_log [--restart N | --records-only] LOGDIR -- COMMAND..."
 
 
 def _parse(argv):
-    """``(restart, logdir, command)`` from the arguments, or None when they are wrong (pure)."""
+    """``(restart, logdir, command)`` from the arguments, or None when they are wrong (pure).
+
+    ``restart`` is None for ``--records-only`` (no log file at all).
+    """
     restart = 0
-    if argv[:1] == ["--restart"]:
+    if argv[:1] == ["--records-only"]:
+        restart, argv = None, argv[1:]
+    elif argv[:1] == ["--restart"]:
         if len(argv) < 2 or not argv[1].isdigit():
             return None
         restart, argv = int(argv[1]), argv[2:]
@@ -70,6 +79,9 @@ def main(argv=None):
     # Each host makes the directory itself: without a shared file system the
     # launcher's mkdir only happened on the first host.
     os.makedirs(logdir, exist_ok=True)
+    record = os.path.join(logdir, exit_record_name(rank))
+    if restart is None:
+        return _run_with_record(command, record)
     path = os.path.join(logdir, f"rank-{rank}.log")
     try:
         fd = open_log(path, restart)
@@ -83,7 +95,10 @@ def main(argv=None):
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    record = os.path.join(logdir, exit_record_name(rank))
+    return _run_with_record(command, record)
+
+
+def _run_with_record(command, record):
     with contextlib.suppress(FileNotFoundError):
         os.unlink(record)  # a record is the latest run's or none
     return run_recorded(command, record)
@@ -95,7 +110,8 @@ def run_recorded(command, record):
     Not an ``exec``: the launcher's failure report wants the rank whose
     process failed first, and only a parent can see a child die of SIGKILL
     (out of memory) with nothing in its log. The signals mpiexec sends are
-    passed on, the child dies with this wrapper (``PR_SET_PDEATHSIG``), and
+    passed on, exactly once (see :func:`group_signalled`), the child dies
+    with this wrapper (``PR_SET_PDEATHSIG``), and
     the wrapper ends with the child's status or signal, so mpirun sees what
     it would have seen.
     """
@@ -115,16 +131,43 @@ def run_recorded(command, record):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signum)
 
+    # Either way the wrapper itself lives on until the child ends.
     for signum in FORWARDED:
-        signal.signal(signum, forward)
+        signal.signal(signum, signal.SIG_IGN if group_signalled() else forward)
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         _write_record(record, f"{time.time():.6f} {code}\n")
-    if code < 0:  # die of the same signal, as the child did
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+    if code < 0:
+        die_of(-code)
     return 128 - code if code < 0 else code
+
+
+def die_of(signum):
+    """End this process by ``signum``, as the child did, so mpirun sees the same death.
+
+    SIGKILL and SIGSTOP have no handler to reset (``signal.signal`` refuses
+    them); any other signal gets its default action back first. Returns
+    only if the signal did not end the process (one whose default is to be
+    ignored), and then the caller exits with ``128 + signum``.
+    """
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        os.kill(os.getpid(), signum)
+
+
+def group_signalled():
+    """True when the launcher signals this process's whole group, the child included.
+
+    MPICH's proxy and Open MPI's daemon make each process they start the
+    leader of a process group of its own, and send it signals as a group:
+    the child already gets every signal, and a second copy from the wrapper
+    would read as "again" (a trainer's abort without a checkpoint). A
+    wrapper started any other way passes the signals on itself.
+    """
+    return os.getpgrp() == os.getpid()
 
 
 def _die_with(parent):

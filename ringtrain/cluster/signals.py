@@ -7,6 +7,7 @@ found them, so a program that calls ``ringtrain.train()`` or
 ``ringtrain.launch()`` keeps its own handlers. Imports only the standard library.
 """
 
+import atexit
 import contextlib
 import os
 import signal
@@ -58,7 +59,16 @@ def exit_at_once_on(signums, status=None):
     and end with whatever status the unwinding happens to produce. The exit
     status is ``status`` (the one the first signal promised), or ``128 +``
     the signal's number. Main thread only, as every handler.
+
+    Once the interpreter starts to shut down, the signals are ignored
+    instead: Python puts the default action back under its own handlers late
+    in its shutdown, while ``MPI_Finalize`` (mpi4py's last exit function) may
+    still wait for slower ranks, and a signal there would kill the process,
+    which mpiexec reports as the signal's number (2 for SIGINT, 10 for
+    SIGUSR1), not as the status promised.
     """
+    signums = tuple(signums)
+
     def handler(signum, frame):
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -68,3 +78,11 @@ def exit_at_once_on(signums, status=None):
     if threading.current_thread() is threading.main_thread():
         for signum in signums:
             signal.signal(signum, handler)
+        # Registered after mpi4py's, so it runs before MPI is finalised.
+        atexit.register(_ignore, signums)
+
+
+def _ignore(signums):
+    if threading.current_thread() is threading.main_thread():
+        for signum in signums:
+            signal.signal(signum, signal.SIG_IGN)

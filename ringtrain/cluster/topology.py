@@ -4,15 +4,25 @@ Distributed TensorFlow made users write a ClusterSpec by hand (every host and
 port) and TensorLayer read a TaskSpec from an environment variable; under MPI
 the launcher already knows all of it, so :meth:`TaskSpec.from_mpi` asks the
 communicator instead.
+
+It also checks that MPI's view agrees with the launcher's: ``srun`` without
+an MPI plugin, ``torchrun`` or another MPI's ``mpirun`` start N processes
+that MPI sees as N separate jobs of one rank, which would each train alone
+into the same run directory. :func:`launcher_mismatch` says so in one line
+(pure), and :meth:`TaskSpec.from_mpi` refuses to go on.
 """
 
 import contextlib
 import dataclasses
+import os
 import socket
+import sys
 
 from .. import backend
+from .slurm import step_tasks
 
-__all__ = ["TaskSpec", "node_layout", "threads_per_rank", "THREAD_VARIABLES"]
+__all__ = ["TaskSpec", "node_layout", "threads_per_rank", "THREAD_VARIABLES", "launcher_mismatch",
+           "refuse_launcher_mismatch"]
 
 # Set any of these and ringtrain leaves the BLAS thread count alone.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -49,6 +59,67 @@ def node_layout(hosts):
         local_rank.append(local_counts.get(host, 0))
         local_counts[host] = local_rank[-1] + 1
     return node_of_rank, local_rank
+
+
+def _count(env, *names):
+    """The first of ``names`` set to a number in ``env``, with its name, or ``(None, None)``."""
+    for name in names:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value), name
+    return None, None
+
+
+def launcher_mismatch(env, mpi_size):
+    """One line naming the launcher that started N processes MPI did not join, and the fix; or None (pure).
+
+    Only a world of one rank is checked: MPI's answer is the truth whenever
+    it joined several. The launcher is named from its variables, Slurm's
+    step first (its tasks also carry PMI variables with ``--mpi=pmi2``), then
+    an ``mpirun`` (Open MPI's or Hydra's), then torchrun. A batch script or
+    an ``salloc`` shell has ``SLURM_NTASKS`` but no step, and is one process:
+    not refused.
+
+    Args:
+        env: the process's environment.
+        mpi_size: ``MPI.COMM_WORLD``'s size.
+    """
+    if mpi_size != 1:
+        return None
+    tasks = step_tasks(env)
+    if tasks is not None and tasks > 1:
+        plugin = " (its pmi2 plugin was used, but this MPI did not take it)" if env.get("PMI_FD") else ""
+        return (f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}) but MPI sees 1 rank in each{plugin}, "
+                f"so they would train as {tasks} separate jobs; start them with srun --mpi=pmi2 (MPICH, Intel "
+                f"MPI) or srun --mpi=pmix (Open MPI), see srun --mpi=list, or with mpirun -np {tasks} inside the "
+                "allocation")
+    size, name = _count(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if size is not None and size > 1:
+        which = "Open MPI's mpirun" if name.startswith("OMPI") else "an MPICH (Hydra) mpirun"
+        return (f"{which} started {size} processes ({name}={size}) but MPI sees 1 rank in each, so they would "
+                f"train as {size} separate jobs: that mpirun belongs to another MPI than the one mpi4py was built "
+                "with; use the mpirun of mpi4py's MPI (ringtrain launch finds it)")
+    size, name = _count(env, "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    if size is not None and size > 1:
+        return (f"torchrun started {size} processes ({name}={size}) but MPI sees 1 rank in each, so they would "
+                f"train as {size} separate jobs; ringtrain runs under MPI: use mpirun -np {size} (or srun "
+                "--mpi=pmi2) instead of torchrun")
+    return None
+
+
+def refuse_launcher_mismatch(mpi_size, env=None, stream=None):
+    """Exit with status 2 and one line on ``stream`` when :func:`launcher_mismatch` finds one.
+
+    The process is a world of one rank, so no peer waits on it; it exits
+    before it writes anything. A library script gets the same one line and
+    status as the command line (``SystemExit``, no traceback).
+    """
+    problem = launcher_mismatch(os.environ if env is None else env, mpi_size)
+    if problem is None:
+        return
+    stream = stream or sys.stderr
+    print(f"ringtrain: error: {problem}", file=stream, flush=True)
+    raise SystemExit(2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +173,9 @@ class TaskSpec:
         """Build this rank's TaskSpec from a communicator.
 
         Collective: every rank of ``comm`` must call it. Without ``mpirun``
-        the process is rank 0 of a world of 1.
+        the process is rank 0 of a world of 1. A world of 1 that a launcher
+        started as one of several processes exits 2 with one line
+        (:func:`refuse_launcher_mismatch`).
 
         Args:
             comm: the communicator (default ``MPI.COMM_WORLD``).
@@ -110,6 +183,7 @@ class TaskSpec:
         """
         from mpi4py import MPI
 
+        refuse_launcher_mismatch(MPI.COMM_WORLD.Get_size())
         comm = comm if comm is not None else MPI.COMM_WORLD
         hostname = MPI.Get_processor_name()
         hosts = tuple(comm.allgather(hostname))

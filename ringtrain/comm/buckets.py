@@ -16,7 +16,6 @@ from .collectives import NO_PROBLEM, is_writeable, reduce_flat
 from .guard import collective
 from .header import DTYPE_CODE, DTYPES, SIGNATURE_MASK, Problem
 from .policy import transport_choice
-from .state import state_of
 
 __all__ = ["allreduce_many_", "plan_buckets", "pack", "unpack", "check_list", "reduce_bucket", "travels_as_fp16",
            "COMPRESSIONS", "DEFAULT_BUCKET_BYTES"]
@@ -52,7 +51,7 @@ def plan_buckets(arrays, bucket_bytes):
 
 
 @collective("allreduce_many_")
-def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, transport="auto", compression=None,
+def allreduce_many_(state, arrays, op="mean", comm=None, bucket_bytes=None, transport="auto", compression=None,
                     algorithm=None):
     """Reduce a list of arrays in place, fused into buckets (a model's gradients).
 
@@ -86,7 +85,6 @@ def allreduce_many_(arrays, op="mean", comm=None, bucket_bytes=None, transport="
         ``arrays`` itself, each array holding its result.
     """
     algorithm = transport_choice(transport, algorithm, "allreduce_many_")
-    state = state_of(comm)
     items = list(arrays.values()) if isinstance(arrays, dict) else list(arrays)
     bucket_bytes, signature, problem = check_list(items, bucket_bytes, compression)
     who = "allreduce_many_"

@@ -33,12 +33,14 @@ import math
 import os
 import threading
 import weakref
+from threading import get_ident
 
 from ..errors import UsageError
 from ..watchdog import Watchdog
 from .state import state_of
 
-__all__ = ["ENV", "set_timeout", "get_timeout", "timeout", "collective", "parse_timeout", "timeout_from_env"]
+__all__ = ["ENV", "set_timeout", "get_timeout", "timeout", "collective", "guard_of", "parse_timeout",
+           "timeout_from_env"]
 
 ENV = "RINGTRAIN_TIMEOUT"
 HINT = ("a rank that printed no such line is not in this collective: it raised, returned or called another; "
@@ -74,14 +76,16 @@ def timeout_from_env(env=None):
 
 
 class _Guard:
-    """One communicator's watchdog and the thread now in one of its collectives."""
+    """One communicator's state, its watchdog, and the thread now in one of its collectives."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    __slots__ = ("state", "timeout", "calls", "busy", "holder", "_dog", "__weakref__")
+
+    def __init__(self, state):
+        self.state = state
         self.timeout = timeout_from_env()
         self.calls = 0
-        self._busy = threading.Lock()
-        self._holder = None  # (thread id, collective) of the thread inside one
+        self.busy = threading.Lock()
+        self.holder = None  # (thread id, collective) of the thread inside one
         self._dog = None
 
     def set_timeout(self, seconds):
@@ -97,8 +101,8 @@ class _Guard:
         such as ``average_gradients_``) returns False: the outer call is the
         one watched and the one whose exit releases. Another thread is refused.
         """
-        if self._busy.acquire(False):
-            self._holder = (threading.get_ident(), who)
+        if self.busy.acquire(False):
+            self.holder = (threading.get_ident(), who)
             self.calls += 1
             if self.timeout is not None:
                 try:
@@ -107,7 +111,7 @@ class _Guard:
                     self.exit()
                     raise
             return True
-        holder = self._holder
+        holder = self.holder
         if holder is not None and holder[0] == threading.get_ident():
             return False
         raise UsageError(f"{who}: another thread is in {holder[1] if holder else 'a collective'} on this "
@@ -116,7 +120,7 @@ class _Guard:
 
     def _arm(self, who):
         if self._dog is None:
-            self._dog = Watchdog(self.comm, self.timeout, hint=HINT)
+            self._dog = Watchdog(self.state.comm, self.timeout, hint=HINT)
             # The watchdog's thread ends with this guard (a freed communicator), not with the process.
             weakref.finalize(self, self._dog.close)
         self._dog.arm(f"{who} (call {self.calls} on this communicator)")
@@ -125,13 +129,32 @@ class _Guard:
         """Leave the outermost collective: disarm, and let another thread in."""
         if self._dog is not None:
             self._dog.disarm()
-        self._holder = None
-        self._busy.release()
+        self.holder = None
+        self.busy.release()
+
+    def call(self, who, function, *args, **kwargs):
+        """``function(*args, **kwargs)`` as the collective ``who``: watched, and one thread at a time.
+
+        The general path. The common one (no bound set, no call inside) is
+        written inline by the callers on the small-call path, where this
+        method's own cost would show: take ``busy`` without waiting, set
+        ``holder`` and count the call, run, then clear ``holder`` and release.
+        """
+        if not self.enter(who):
+            return function(*args, **kwargs)  # nested in this thread's own collective
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.exit()
 
 
-def _guard_of(comm):
-    # Looking a communicator's state up costs microseconds (MPI attribute
-    # caching), as much as a small call; a program asks about one or two
+def guard_of(comm):
+    """The guard of ``comm`` (default ``MPI.COMM_WORLD``); its ``state`` is the communicator's CommState.
+
+    One lookup gives both: a collective asks for nothing else per call.
+    """
+    # Looking a communicator's state up goes through MPI attribute caching,
+    # as slow as the rest of a small call; a program asks about one or two
     # communicators thousands of times. So the guard of COMM_WORLD and of the
     # last communicator asked about are kept at hand (each read and written
     # as one tuple, so a thread never pairs one's communicator with another's guard).
@@ -143,7 +166,7 @@ def _guard_of(comm):
     state = state_of(comm)
     guard = _GUARDS.get(state)
     if guard is None:
-        guard = _GUARDS[state] = _Guard(state.comm)
+        guard = _GUARDS[state] = _Guard(state)
     _RECENT[:] = [guard, last] if comm is None else [world, (comm, guard)]
     return guard
 
@@ -158,7 +181,7 @@ def set_timeout(seconds, comm=None):
     are the ones that must notice. Returns the previous bound.
     """
     seconds = parse_timeout(seconds)
-    guard = _guard_of(comm)
+    guard = guard_of(comm)
     previous = guard.timeout
     guard.set_timeout(seconds)
     return previous
@@ -166,7 +189,7 @@ def set_timeout(seconds, comm=None):
 
 def get_timeout(comm=None):
     """The bound on ``comm``'s collectives in seconds, or None."""
-    return _guard_of(comm).timeout
+    return guard_of(comm).timeout
 
 
 @contextlib.contextmanager
@@ -180,20 +203,38 @@ def timeout(seconds, comm=None):
 
 
 def collective(who):
-    """Decorate a public collective that takes ``comm``: watched, and one thread at a time."""
+    """Decorate a public collective that takes ``comm``: watched, and one thread at a time.
+
+    When the decorated function's first parameter is ``state``, it is given
+    the communicator's :class:`~ringtrain.comm.state.CommState`, found with
+    the guard in one lookup, and the public function takes the remaining
+    parameters (its signature shows them). Otherwise it is called as it is.
+    """
     def wrap(function):
-        position = list(inspect.signature(function).parameters).index("comm")
+        names = list(inspect.signature(function).parameters)
+        takes_state = names[0] == "state"
+        position = names.index("comm") - takes_state
 
         @functools.wraps(function)
         def watched(*args, **kwargs):
-            guard = _guard_of(args[position] if len(args) > position else kwargs.get("comm"))
-            if not guard.enter(who):
-                return function(*args, **kwargs)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                guard.exit()
+            guard = guard_of(args[position] if len(args) > position else kwargs.get("comm"))
+            if takes_state:
+                args = (guard.state, *args)
+            busy = guard.busy
+            # The common case, inline: no bound to arm, no other call inside.
+            if guard.timeout is None and busy.acquire(False):
+                guard.holder = (get_ident(), who)
+                guard.calls += 1
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    guard.holder = None
+                    busy.release()
+            return guard.call(who, function, *args, **kwargs)
 
+        if takes_state:
+            signature = inspect.signature(function)
+            watched.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
         return watched
 
     return wrap

@@ -209,8 +209,8 @@ class Reducer:
         alone reduces every registered array, like ``allreduce_many_``.
 
         Raises:
-            the first exception a reduction raised (MismatchError and
-            UsageError are raised on every rank alike).
+            Exception: the first exception a reduction raised (MismatchError
+                and UsageError are raised on every rank alike).
         """
         while self._next < len(self.buckets):
             self._start(self._next)

@@ -43,7 +43,8 @@ def message_sizes(min_bytes, max_bytes):
 
 
 def add_arguments(parser):
-    parser.add_argument("what", choices=["allreduce"], help="what to benchmark")
+    # Optional to argparse, so that a bare `ringtrain bench` is told what to type, not "required: what".
+    parser.add_argument("what", nargs="?", choices=["allreduce"], help="what to benchmark: allreduce")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                         help="cpu: NumPy buffers against MPI's Allreduce; gpu: CuPy buffers against MPI's "
                              "Allreduce staged through the host (and torch gloo on CUDA tensors where torch has "
@@ -105,6 +106,10 @@ def _synchronize(x):
 def _check(args, size):
     """One-line errors for arguments no rank can run with (every rank sees the same ones)."""
     from .. import backend
+
+    if args.what is None:
+        raise UsageError("say what to benchmark: ringtrain bench allreduce (under mpirun -np 2 or more)",
+                         everywhere=True)
 
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0", everywhere=True)

@@ -91,7 +91,7 @@ def read_metrics(run_dir, warn=_warn):
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past any record ringtrain writes
             if number == len(lines):
                 warn(f"{path} line {number}: skipping a torn last line (the run was killed mid-write, "
                      "or is still writing it)")
@@ -122,7 +122,7 @@ def _title(run_dir, starts=()):
         cfg = json.loads(read_regular(os.path.join(run_dir, "config.json"), None, CONFIG_MAX_BYTES))
         if not isinstance(cfg, dict):
             raise ValueError
-    except (UsageError, ValueError):  # the title is a nicety: a bad config.json only loses it
+    except (UsageError, ValueError, RecursionError):  # the title is a nicety: a bad config.json only loses it
         return os.path.basename(os.path.normpath(run_dir)) + (f", {ranks}" if ranks else "")
     model = cfg.get("model_name")  # what was trained, a custom or torch model included
     if not isinstance(model, str):
@@ -202,7 +202,7 @@ def read_trace(path):
     """The complete spans (``"ph": "X"``, with a step) of a ``--timeline`` file; UsageError if it is not one."""
     try:
         trace = json.loads(read_regular(path, "--timeline", TRACE_MAX_BYTES, "timeline files"))
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError included; RecursionError: absurdly nested
         raise UsageError(f"--timeline {path}: not JSON; give a file written by 'ringtrain train --timeline'") from None
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list):

@@ -8,6 +8,8 @@ Stopped by SIGINT, SIGTERM or SIGUSR1, it checkpoints, prints
 ``stopped at step N (SIGTERM); checkpoint PATH; run the same command to
 resume`` (or, without ``--run-dir``, the exact command, run directory
 included) and exits 130, 143 or 138 (128 + the signal's number) on every rank.
+In a Slurm job with a time limit it stops the same way shortly before the
+limit and exits 75 (see :mod:`ringtrain.training.stopping`).
 """
 
 import argparse
@@ -94,11 +96,12 @@ def prepare(args):
 
 
 def run(args, cfg):
-    """Train; the exit status says how the run ended (see the README's exit statuses).
+    """Train; the exit status says how the run ended (docs/troubleshooting.md lists the exit statuses).
 
     0 when it finished with its final checkpoint on disk; 130, 143 or 138
-    when a signal stopped it (with its checkpoint, and one line saying how to
-    resume); FINAL_CHECKPOINT_MISSING when the run's end is not on disk;
+    when a signal stopped it, 75 when it stopped before the Slurm job's time
+    limit (with its checkpoint, and one line saying how to resume);
+    FINAL_CHECKPOINT_MISSING when the run's end is not on disk;
     DIVERGED when its gradients stayed non-finite (one line names the last
     good checkpoint and how to go on from it with a lower --lr).
     """

@@ -30,12 +30,26 @@ differ in size by at most one sample, so :class:`EpochPlan` evens them out:
   are skipped that epoch. Which ones are skipped changes with every epoch's
   shuffle, so over many epochs every sample is used.
 
+**Changing the rank count mid-epoch.** The order above depends on the rank
+count, so a run resumed on M ranks from a checkpoint written mid-epoch by N
+ranks cannot simply go on at the same step. A checkpoint records where the
+epoch stands as a list of :class:`EpochPart` records: the rank count of each
+stretch and how many samples of its order it consumed. The M ranks work out
+which rows the earlier parts already trained on (pure arithmetic over every
+rank's shuffle, :meth:`EpochPlan.schedule`), and each takes the rows of its own
+shard that are left, in its own shuffled order, for the rest of the epoch: no
+row of the epoch is skipped or repeated, apart from the padding that gives
+every rank the same number of full batches (drawn, as always, from the rank's
+own rows). The next epoch is an ordinary M-rank epoch. Only a resume at the
+same rank count reproduces the uninterrupted run's batches bitwise.
+
 Evaluation data are sharded the same way but never padded
 (:func:`eval_batches`); their results are reduced as sums, once, after the
 last batch (see :func:`ringtrain.training.evaluate.reduce_eval`), so ranks may run
 different numbers of evaluation batches.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -48,6 +62,10 @@ __all__ = [
     "epoch_permutation",
     "check_batch_size",
     "EpochPlan",
+    "EpochPart",
+    "EpochSchedule",
+    "stretch_rows",
+    "unseen_after",
     "eval_batches",
     "complement_positions",
 ]
@@ -128,6 +146,66 @@ def check_batch_size(num_samples, num_shards, batch_size):
             f"{batch_size} = {num_shards * batch_size}; use a smaller batch size or fewer ranks",
             everywhere=True,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPart:
+    """One stretch of an epoch trained at one rank count: a plain record for checkpoints.
+
+    Attributes:
+        ranks: the rank count that trained this stretch.
+        samples: how many samples of that stretch's order it consumed
+            (``steps x ranks x batch_size``, padding included).
+    """
+
+    ranks: int
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EpochSchedule:
+    """One rank's batches for (the rest of) one epoch, from :meth:`EpochPlan.schedule`.
+
+    Steps are numbered within the epoch, earlier parts included: the loop
+    runs ``first_step <= step < steps``.
+
+    Attributes:
+        epoch: the epoch.
+        earlier: the :class:`EpochPart` records trained before this rank count took over.
+        first_step: the step this schedule starts at (a resume's position).
+        steps: the step the epoch ends at.
+        ranks, batch_size: this run's rank count and batch size.
+        order: this rank's rows (indices into its shard) for every step from
+            ``steps_before``, ``batch_size`` per step, read-only.
+    """
+
+    epoch: int
+    earlier: tuple
+    first_step: int
+    steps: int
+    ranks: int
+    batch_size: int
+    order: np.ndarray
+
+    @property
+    def steps_before(self):
+        """The steps the earlier parts took."""
+        return sum(part.samples // (part.ranks * self.batch_size) for part in self.earlier)
+
+    def batch_indices(self, step):
+        """Indices into this rank's shard for one step: a fresh, writeable int64 array."""
+        if not self.first_step <= step < self.steps:
+            raise ValueError(f"step must be in [{self.first_step}, {self.steps}), got {step}")
+        at = (step - self.steps_before) * self.batch_size
+        return self.order[at:at + self.batch_size].copy()
+
+    def parts_at(self, step):
+        """Where the epoch stands once ``step`` steps of it are done, as :class:`EpochPart` records (pure).
+
+        What a checkpoint records; empty at the epoch's start.
+        """
+        own = (step - self.steps_before) * self.ranks * self.batch_size
+        return self.earlier + ((EpochPart(self.ranks, own),) if own > 0 else ())
 
 
 class EpochPlan:
@@ -219,10 +297,89 @@ class EpochPlan:
         for step in range(start_step, self.steps_per_epoch):
             yield step, self.batch_indices(epoch, step)
 
+    def schedule(self, epoch, parts=()):
+        """This rank's batches for epoch ``epoch`` after ``parts`` of it were trained (pure).
+
+        ``parts`` (:class:`EpochPart` records, as a checkpoint holds them) may
+        come from runs at other rank counts. When the last part ran at this
+        plan's rank count, its order simply goes on, which is exactly the
+        uninterrupted run's. Otherwise the rows the parts trained on are
+        worked out from every rank's shuffle at their rank counts, and this
+        rank takes the rows of its shard that are left, in its own shuffled
+        order, padded (or cut, with ``drop_last``) so every rank runs the same
+        number of full batches. Every rank computes the same step counts.
+
+        Raises:
+            ValueError: parts that cannot come from this data and batch size
+                (a damaged checkpoint).
+        """
+        parts = tuple(p for p in parts if p.samples)
+        for part in parts:
+            if part.ranks < 1 or part.samples < 0 or part.samples % (part.ranks * self.batch_size):
+                raise ValueError(f"epoch part {part} is not a whole number of steps of {part.ranks} "
+                                 f"rank(s) x batch size {self.batch_size}")
+        ongoing = parts[-1] if parts and parts[-1].ranks == self.num_shards else None
+        earlier = parts[:-1] if ongoing else parts
+        order_of = dict(num_samples=self.num_samples, batch_size=self.batch_size, seed=self.seed, epoch=epoch,
+                        drop_last=self.drop_last)
+        unseen = unseen_after(earlier, **order_of)
+        rows, steps = stretch_rows(self.num_shards, self.rank, unseen, **order_of)
+        start, _ = shard_bounds(self.num_samples, self.num_shards, self.rank)
+        order = rows - start
+        order.setflags(write=False)
+        before = sum(p.samples // (p.ranks * self.batch_size) for p in earlier)
+        done = ongoing.samples // (self.num_shards * self.batch_size) if ongoing else 0
+        if done > steps:
+            raise ValueError(f"epoch part {ongoing} is longer than the {steps} steps left in epoch {epoch}")
+        return EpochSchedule(epoch, earlier, before + done, before + steps, self.num_shards, self.batch_size, order)
+
     def __repr__(self):
         return (f"EpochPlan(num_samples={self.num_samples}, num_shards={self.num_shards}, rank={self.rank}, "
                 f"batch_size={self.batch_size}, seed={self.seed}, drop_last={self.drop_last}, "
                 f"steps_per_epoch={self.steps_per_epoch})")
+
+
+def stretch_rows(ranks, rank, unseen, *, num_samples, batch_size, seed, epoch, drop_last):
+    """One rank's rows (global row numbers) for a stretch of an epoch at ``ranks`` ranks, and its step count (pure).
+
+    Without ``unseen`` this is the ordinary epoch (:meth:`EpochPlan.epoch_order`
+    plus the shard's start): the rank's shard in its shuffled order, padded
+    by wrapping around, or cut with ``drop_last``. With ``unseen`` (a mask
+    over every row), only the unseen rows of the shard, in the same shuffled
+    order; a rank with none left pads with its shard's ordinary order. The
+    step count depends on every rank's count, so every rank gets the same.
+    """
+    start, stop = shard_bounds(num_samples, ranks, rank)
+    rows = start + epoch_permutation(stop - start, seed, epoch, rank)
+    if unseen is None:
+        counts = shard_sizes(num_samples, ranks)
+    else:
+        counts = [int(unseen[a:b].sum()) for a, b in (shard_bounds(num_samples, ranks, r) for r in range(ranks))]
+        rows = rows[unseen[rows]] if unseen[start:stop].any() else rows
+    steps = min(counts) // batch_size if drop_last else math.ceil(max(counts) / batch_size)
+    length = steps * batch_size
+    return (rows[:length] if drop_last else rows[np.arange(length) % rows.size]), steps
+
+
+def unseen_after(parts, *, num_samples, batch_size, seed, epoch, drop_last):
+    """A mask of the rows that no part of ``parts`` trained on in ``epoch``, or None when there are none (pure).
+
+    Each part's order is worked out from every one of its ranks' shuffles,
+    over the rows the parts before it left. Costs one pass over every row
+    per part; parts come only from changes of the rank count within an epoch.
+    """
+    unseen = None
+    for part in parts:
+        after = np.ones(num_samples, bool) if unseen is None else unseen.copy()
+        taken = part.samples // part.ranks
+        for rank in range(part.ranks):
+            rows, steps = stretch_rows(part.ranks, rank, unseen, num_samples=num_samples, batch_size=batch_size,
+                                       seed=seed, epoch=epoch, drop_last=drop_last)
+            if taken > steps * batch_size:
+                raise ValueError(f"epoch part {part} is longer than the {steps} steps it had in epoch {epoch}")
+            after[rows[:taken]] = False
+        unseen = after
+    return unseen
 
 
 def eval_batches(num_rows, batch_size):

@@ -17,19 +17,18 @@ from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_buil
 
 # Horovod's collectives: matched across each process set's ranks by name (the contract: engine.py).
 from .autograd import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_, grouped_allgather,
-                       grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter)
+                       grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter,
+                       sparse_allreduce_async)
 from .handles import poll, synchronize
 from .ops_async import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, barrier,
                         broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
                         grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async,
                         start_timeline, stop_timeline)
-from .sparse import sparse_allreduce_async
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 # Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
-from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .optimizer import DistributedOptimizer
+from .optimizer import Compression, DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = ["interop", "TorchModel"]
@@ -47,3 +46,4 @@ __all__ += ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "br
 
 __all__ += ["Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
             "DistributedOptimizer", "SyncBatchNorm"]
+from . import elastic  # noqa: E402,F401 - hvd.elastic: Horovod's elastic API (ringtrain.torch.elastic)

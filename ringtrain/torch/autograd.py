@@ -1,4 +1,6 @@
-"""The blocking collectives, with gradients as Horovod defines them.
+"""Horovod's collectives built over the async ops: the blocking ones, with gradients, and the sparse allreduce.
+
+Out of place, each is differentiable as Horovod defines it:
 
 * allreduce: the gradient is the same allreduce of the incoming gradient;
 * allgather: the gradient is this rank's rows of the averaged gradient;
@@ -6,6 +8,17 @@
 * alltoall: the gradient goes back along the received splits;
 * reducescatter: the gradient is the allgather of the incoming gradient,
   scaled as the forward op was (times the set's size for ``Sum``).
+
+In place (``allreduce_``, ``grouped_allreduce_``, ``broadcast_``), they
+write the tensor's memory outside autograd, as Horovod's do, so they take a
+leaf that requires grad: the model-averaging idiom
+``with torch.no_grad(): hvd.allreduce_(p)``. Each returns the very tensor it
+was given.
+
+A sparse tensor goes through :func:`sparse_allreduce_async` (Horovod's
+allgather of indices and values) or ``tensor.to_dense()``; the other ops
+refuse it with a one-line ``ValueError`` on the rank that passed it, before
+anything is sent.
 
 Each is collective: every rank of the process set must make the same calls.
 """
@@ -20,9 +33,27 @@ from .process_sets import global_process_set
 from .reduce_ops import Average, Sum
 
 __all__ = ["allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
-           "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter"]
+           "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "sparse_allreduce_async"]
 
 _sync = handles.synchronize
+
+
+def _dense(tensor, who):
+    """``tensor``, refused (ValueError, one line naming the fix) when it is sparse: no dense op takes one."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
+        raise ValueError(f"{who}: the tensor is sparse; reduce it with hvd.sparse_allreduce_async(tensor, name, op) "
+                         f"or pass tensor.to_dense()")
+    return tensor
+
+
+def _in_place(tensor):
+    """The tensor's memory without its autograd history: in-place ops write it as Horovod's do, outside autograd.
+
+    A leaf that requires grad (a parameter) may not be written in place
+    under autograd, and the engine's thread, where the write happens, does
+    not share the caller's ``torch.no_grad()``.
+    """
+    return tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def _compress(compression, tensor):
@@ -51,15 +82,17 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
               postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` across ranks (default: average) into a new tensor; differentiable."""
     op = resolve_op(op, average)
-    compressed, ctx = _compress(compression, tensor)
+    compressed, ctx = _compress(compression, _dense(tensor, "allreduce"))
     reduced = HorovodAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return _decompress(compression, reduced, ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
-    """Reduce ``tensor`` across ranks in place; return it."""
-    return _sync(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    """Reduce ``tensor`` across ranks in place, outside autograd (a parameter under ``no_grad``); return it."""
+    _sync(allreduce_async_(_in_place(_dense(tensor, "allreduce_")), average, name, op, prescale_factor,
+                           postscale_factor, process_set))
+    return tensor
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -82,7 +115,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
                       postscale_factor=1.0, process_set=global_process_set):
     """Reduce each tensor across ranks into new tensors, fused; differentiable."""
     op = resolve_op(op, average)
-    pairs = [_compress(compression, t) for t in tensors]
+    pairs = [_compress(compression, _dense(t, "grouped_allreduce")) for t in tensors]
     reduced = HorovodGroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
                                             *[t for t, _ in pairs])
     return [_decompress(compression, t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
@@ -90,9 +123,11 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    """Reduce each tensor in place, fused; return them."""
-    return _sync(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                          process_set))
+    """Reduce each tensor in place, fused, outside autograd; return them."""
+    tensors = list(tensors)
+    _sync(grouped_allreduce_async_([_in_place(_dense(t, "grouped_allreduce_")) for t in tensors], average, name, op,
+                                   prescale_factor, postscale_factor, process_set))
+    return tensors
 
 
 def _my_rows(grad, dims, process_set):
@@ -121,7 +156,7 @@ class HorovodAllgather(torch.autograd.Function):
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` on the first dimension (which may differ); differentiable."""
-    return HorovodAllgather.apply(tensor, name, process_set)
+    return HorovodAllgather.apply(_dense(tensor, "allgather"), name, process_set)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
@@ -143,7 +178,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather each tensor; differentiable."""
-    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
+    return list(HorovodGroupedAllgather.apply(name, process_set, *[_dense(t, "grouped_allgather") for t in tensors]))
 
 
 class HorovodBroadcast(torch.autograd.Function):
@@ -165,12 +200,13 @@ class HorovodBroadcast(torch.autograd.Function):
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """``root_rank``'s ``tensor`` on every rank, in a new tensor; differentiable."""
-    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    return HorovodBroadcast.apply(_dense(tensor, "broadcast"), root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    """Overwrite ``tensor`` with ``root_rank``'s, in place; return it."""
-    return _sync(broadcast_async_(tensor, root_rank, name, process_set))
+    """Overwrite ``tensor`` with ``root_rank``'s, in place, outside autograd; return it."""
+    _sync(broadcast_async_(_in_place(_dense(tensor, "broadcast_")), root_rank, name, process_set))
+    return tensor
 
 
 class HorovodAlltoall(torch.autograd.Function):
@@ -193,7 +229,7 @@ class HorovodAlltoall(torch.autograd.Function):
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Send ``splits[r]`` rows to rank ``r``; the received rows (and received splits when ``splits`` is given)."""
-    return HorovodAlltoall.apply(tensor, splits, name, process_set)
+    return HorovodAlltoall.apply(_dense(tensor, "alltoall"), splits, name, process_set)
 
 
 class HorovodReducescatter(torch.autograd.Function):
@@ -219,7 +255,7 @@ def _scatter_grad(grad, op, process_set, prescale_factor, postscale_factor):
 def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` across ranks and keep this rank's block of rows; differentiable."""
-    compressed, ctx = _compress(compression, tensor)
+    compressed, ctx = _compress(compression, _dense(tensor, "reducescatter"))
     out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     return _decompress(compression, out, ctx)
 
@@ -241,7 +277,33 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter each tensor; differentiable."""
-    pairs = [_compress(compression, t) for t in tensors]
+    pairs = [_compress(compression, _dense(t, "grouped_reducescatter")) for t in tensors]
     outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
                                              *[t for t, _ in pairs])
     return [_decompress(compression, t, ctx) for t, (_, ctx) in zip(outs, pairs)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start an allreduce of a sparse COO tensor, as Horovod does it; return a function that waits for the result.
+
+    Every rank's indices and values are gathered; the result is an
+    uncoalesced sparse tensor whose duplicate indices add up when it is
+    coalesced or used, so it equals the dense allreduce. Collective over
+    the process set. ``op`` is ``Average`` or ``Sum``.
+    """
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async: op must be hvd.Average or hvd.Sum, got {op!r}")
+    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # allgather concatenates on the first dimension: indices go as one row per nonzero.
+    indices = allgather_async(sparse.indices().t().contiguous(), f"{name}.indices", process_set)
+    values = allgather_async(sparse.values().contiguous(), f"{name}.values", process_set)
+    ps = global_process_set if process_set is None else process_set
+
+    def result():
+        gathered_values = handles.synchronize(values)
+        gathered_indices = handles.synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / ps.size()
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, sparse.shape, check_invariants=True)
+
+    return result

@@ -30,4 +30,13 @@ class DuplicateNameError(ValueError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic interrupt; ringtrain has no elastic mode, so it is never raised."""
+    """The hosts changed: ``hvd.elastic.run`` resets, or (under an elastic launcher) restarts the job.
+
+    Args:
+        skip_sync: True when hosts were only removed, so the state need not
+            be synchronized again (Horovod's argument).
+    """
+
+    def __init__(self, skip_sync=False):
+        super().__init__("the hosts changed" + (" (removed only)" if skip_sync else ""))
+        self.skip_sync = skip_sync

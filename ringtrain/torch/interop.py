@@ -129,7 +129,7 @@ def average_gradients_(module, comm=None, op="mean", bucket_bytes=None):
     rank only). A parameter with a gradient on some rank gets a zero gradient
     where it has none, so the average counts every rank, as Horovod and DDP
     do; a parameter with a gradient on no rank keeps ``grad = None``. Which
-    parameters have gradients costs one small exchange.
+    parameters have gradients costs one small allreduce.
 
     Gradients laid out back to back (see :func:`bucket_view_`) go as one
     in-place allreduce; otherwise :func:`ringtrain.allreduce_many_` fuses

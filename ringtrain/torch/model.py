@@ -17,7 +17,14 @@ DLPack for CUDA tensors), so
   module's weights: there is no torch optimizer and no copy back;
 * :meth:`TorchModel.rebind` moves both buffers into the memory the sharded
   step hands it (its shared-memory window) by re-pointing every parameter's
-  ``.data`` and ``.grad`` at the new arrays (``torch.from_numpy``).
+  ``.data`` and ``.grad`` at the new arrays (``torch.from_numpy``);
+* a :class:`GradientFeed` overlaps the trainer's bucketed reduction with
+  backward: a hook after each parameter's gradient accumulation marks it
+  ready, and the feed hands gradients to the trainer strictly in the order it
+  was given (the reverse of the parameters': backward's usual order), each as
+  soon as it and every one before it are ready, so the buckets fill and start
+  in the same order on every rank. What backward never reached is handed
+  over when it ends.
 
 The contract for the module (checked at construction where it can be):
 
@@ -45,16 +52,17 @@ Example::
     result = ringtrain.train(ringtrain.TrainConfig(dataset="mnist5k"), model=model)
 """
 
+import contextlib
+import functools
 import math
 
 import numpy as np
 
 from .. import backend
-from .feed import GradientFeed
 from .interop import as_array, as_tensor
 from ..models.base import FlatModel
 
-__all__ = ["TorchModel"]
+__all__ = ["TorchModel", "GradientFeed"]
 
 
 class TorchModel(FlatModel):
@@ -216,3 +224,52 @@ def _cupy_for(device):
         raise ValueError(f"the module is on {device} but CuPy's current device is cuda:{current}; "
                          "call ringtrain.backend.use_device first, or move the module")
     return xp
+
+
+class GradientFeed:
+    """Deliver ``(name, gradient)`` pairs in order while backward runs.
+
+    Args:
+        named: ``[(name, parameter)]`` in delivery order; a hook is registered on each.
+        gradient: ``gradient(name)``, the array handed to the consumer.
+        synchronize: called before each delivery (a GPU's queued kernels must
+            finish before the consumer, MPI or a peer reads the memory).
+    """
+
+    def __init__(self, named, gradient, synchronize):
+        self.names = [name for name, _ in named]
+        self.gradient, self.synchronize = gradient, synchronize
+        self._consumer, self._ready, self._delivered = None, [False] * len(self.names), 0
+        for i, (_, p) in enumerate(named):
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+
+    @contextlib.contextmanager
+    def delivering(self, consumer):
+        """Deliver to ``consumer(name, grad)`` during the block (None: deliver nothing); the rest at its end."""
+        self._consumer, self._delivered = consumer, 0
+        self._ready = [False] * len(self.names)
+        try:
+            yield
+            if consumer is not None:
+                self._flush(len(self.names))
+        finally:
+            self._consumer = None
+
+    def _grad_ready(self, i, _param):
+        # Runs inside backward, once the gradient has been added to .grad.
+        if self._consumer is None:
+            return
+        self._ready[i] = True
+        count = self._delivered
+        while count < len(self._ready) and self._ready[count]:
+            count += 1
+        self._flush(count)
+
+    def _flush(self, count):
+        """Deliver gradients ``[delivered, count)``."""
+        if count <= self._delivered:
+            return
+        self.synchronize()
+        for name in self.names[self._delivered:count]:
+            self._consumer(name, self.gradient(name))
+        self._delivered = count

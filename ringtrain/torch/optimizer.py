@@ -13,34 +13,65 @@ The wrapper is an instance of a subclass of the optimizer's own class (so
 ``isinstance(opt, torch.optim.SGD)`` holds and its ``step`` is the original
 update), sharing the original's parameter groups, options and state.
 
+Which gradient is which across ranks. With ``named_parameters`` gradients
+are matched by name, as Horovod matches its ops: ranks may list the
+parameters in different orders. Without names they are matched by position
+in the optimizer's parameter groups. Building the optimizer checks, in one
+collective, that every rank trains the same parameters (by name, or the same
+shapes and dtypes in order) and reduces them the same way (op, compression,
+predivide factor); otherwise every rank raises the same one-line
+:class:`~ringtrain.torch.errors.CollectiveMismatchError` (a ``RuntimeError``).
+
 A hook after each parameter's gradient accumulation
 (``register_post_accumulate_grad_hook``) counts backward passes; on the
-``backward_passes_per_step``-th it hands the gradient to a
-:class:`~ringtrain.torch.exchange.GradientExchange`, whose reducer starts a
-bucket's reduction on its communication thread as soon as the bucket is full.
-:meth:`synchronize` (called by ``step``) finishes every bucket, after giving
-the reducer zeros for every parameter that got no gradient on this rank
-(another rank may have one).
+``backward_passes_per_step``-th it hands the gradient to the
+:class:`~ringtrain.torch.buckets.GradientBuckets`, whose reducer starts a
+bucket's reduction on its communication thread as soon as the bucket is
+full. :meth:`synchronize` (called by ``step``) finishes every bucket, after
+giving the reducer zeros for every parameter that got no gradient on this
+rank (another rank may have one).
 
 Contract (every rank of the process set): building the optimizer is
-collective (its reducers duplicate the communicator, and each keeps the
-duplicate for the optimizer's lifetime), and so is every ``step()`` and
-``synchronize()``: every rank must make them in the same order, for
-optimizers over parameters of the same shapes and dtypes.
+collective (it agrees on the parameters, and its reducers duplicate the
+communicator, each keeping the duplicate for the optimizer's lifetime), and
+so is every ``step()`` and ``synchronize()``: every rank must make them in
+the same order.
+
+.. warning::
+    After the first ``step()`` or ``synchronize()`` on more than one rank,
+    each gradient of a float16, float32 or float64 parameter is a view of
+    its slot in the optimizer's bucket, as in Horovod (``grad.set_(output)``)
+    and DDP's ``gradient_as_bucket_view``. With
+    ``zero_grad(set_to_none=False)`` the next backward accumulates straight
+    into the bucket, and the reduction overwrites it in place: keep a
+    ``p.grad.clone()``, not ``p.grad``, to hold a gradient across a step.
+    With ``zero_grad()`` (``set_to_none=True``, the default) backward makes
+    fresh gradients, which are copied into the bucket.
+
+Compression: :class:`Compression` names Horovod's two compressors. The
+optimizer hands them to the reducer as its own ``compression`` (``None`` or
+``"fp16"``), so a bucket is cast once instead of once per tensor (for an
+average, divided by the rank count first, so the float16 sum cannot overflow
+where the mean would not); other compressors are refused. Their
+``compress``/``decompress`` serve :func:`ringtrain.torch.allreduce` and any
+code that calls them directly.
 """
 
 import contextlib
+import dataclasses
 import os
 import warnings
 
 import torch
 
 from . import process_sets as scope
-from .compression import Compression, reducer_compression
-from .exchange import GradientExchange, wire_dtype
-from .reduce_ops import Average, Max, Min, Sum
+from . import runtime
+from .buckets import GradientBuckets, match_problem, wire_dtype
+from .errors import CollectiveMismatchError
+from .functions import allgather_object
+from .reduce_ops import Average, Max, Min, Sum, op_name
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 _ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
@@ -49,6 +80,57 @@ _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step 
 _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
                     "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+class Compressor:
+    """The interface: compress before the reduction, decompress after it."""
+
+    @staticmethod
+    def compress(tensor):
+        """Return ``(compressed tensor, context for decompress)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        """Return the tensor ``compress`` was given, as well as the wire allows."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """No compression: the tensor travels as it is."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Floating-point tensors travel as float16 (half the bytes); other dtypes as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        dtype = tensor.dtype
+        if dtype.is_floating_point:
+            tensor = tensor.type(torch.float16)
+        return tensor, dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        dtype = ctx
+        if dtype.is_floating_point and tensor.dtype != dtype:
+            tensor = tensor.type(dtype)
+        return tensor
+
+
+class Compression:
+    """The compressors by name: ``Compression.none`` and ``Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
 
 
 class _DistributedOptimizer:
@@ -64,26 +146,24 @@ class _DistributedOptimizer:
         self._pending = set()  # parameters whose hook ran since the last synchronize
         self._synchronized = False
         self._should_synchronize = True
-        self._exchange = None
+        self._buckets = None
         self._hooks = []
         if plan is None:  # one rank, or not in the process set: nothing to reduce
             return
-        comm, op, compression, prescale, postscale = plan
-        trained = [(name, p) for name, p in named if p.requires_grad]
-        # Backward makes the last layer's gradients first: lay the buckets out in that order.
-        self._exchange = GradientExchange(comm, trained[::-1], op, compression, prescale, postscale,
-                                          bucket_bytes=_bucket_bytes())
-        for _, p in trained:
+        # Backward makes the last layer's gradients first: lay the buckets out in the reverse of the agreed order.
+        self._buckets = GradientBuckets(plan.comm, plan.layout[::-1], plan.op, plan.compression, plan.prescale,
+                                        plan.postscale, bucket_bytes=_bucket_bytes())
+        for _, p in plan.layout:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
 
     def _hook(self, p):
         # Runs inside backward, once p.grad holds this pass's gradient added in.
-        if self._exchange.pushed(p):
+        if self._buckets.pushed(p):
             raise AssertionError(_TOO_MANY_PASSES)
         self._pending.add(p)
         self._delay[p] -= 1
         if self._delay[p] == 0:
-            self._exchange.push(p)
+            self._buckets.push(p)
 
     def set_backward_passes_per_step(self, passes):
         """Accumulate ``passes`` backward passes locally before each reduction."""
@@ -92,9 +172,13 @@ class _DistributedOptimizer:
             self._delay[p] = passes
 
     def synchronize(self):
-        """Finish reducing every gradient (collective); ``.grad`` then holds the result on every rank."""
-        if self._exchange is not None:
-            self._exchange.finish()
+        """Finish reducing every gradient (collective); ``.grad`` then holds the result on every rank.
+
+        On more than one rank, ``.grad`` is then a view of the optimizer's
+        bucket (see the module's warning).
+        """
+        if self._buckets is not None:
+            self._buckets.finish()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self._pending.clear()
@@ -126,8 +210,8 @@ class _DistributedOptimizer:
 
     def load_state_dict(self, state_dict):
         """Load the wrapped optimizer's state, forgetting any backward pass not yet reduced."""
-        if self._pending and self._exchange is not None:
-            self._exchange.finish()  # collective: every rank had the same passes in flight
+        if self._pending and self._buckets is not None:
+            self._buckets.finish()  # collective: every rank had the same passes in flight
         self._pending.clear()
         self._synchronized = False
         self._should_synchronize = True
@@ -141,11 +225,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          groups=None, sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across ranks (Horovod's signature).
 
+    Collective over the process set: every member must build it, for the
+    same parameters (see the module docstring for how they are matched).
+
     Args:
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``(name, parameter)`` pairs covering every
-            parameter of ``optimizer`` (usually ``model.named_parameters()``);
-            default: names made from the parameter groups.
+            parameter of ``optimizer`` (usually ``model.named_parameters()``):
+            gradients are then matched across ranks by name. Default:
+            matched by position in the optimizer's parameter groups.
         compression: ``Compression.none`` or ``Compression.fp16`` (a bucket
             travels as float16); another compressor class is refused.
         backward_passes_per_step: backward passes accumulated locally before
@@ -164,19 +252,35 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             parameters, bad groups, ``backward_passes_per_step < 1``).
         NotImplementedError: for ``Adasum`` or ``Product``, or a compressor
             other than ``Compression.none`` and ``Compression.fp16``, on more
-            than one rank (on every rank alike: it depends on the arguments only).
+            than one rank.
+        CollectiveMismatchError: on every rank of the process set, when the
+            ranks' parameters cannot be matched, when they would reduce them
+            differently, or when another rank raised one of the above.
     """
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                       DeprecationWarning, stacklevel=2)
         groups = num_groups if groups is None else groups
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    named = _named(optimizer, named_parameters)
-    _check_groups(groups)
-    plan = _plan(process_set, op, compression, gradient_predivide_factor, named)
+    comm = scope.communicator_of(process_set) if scope.included(process_set) else None
+    if comm is not None and comm.Get_size() == 1:
+        comm = None  # one rank: nothing to reduce, nobody to agree with
+    named, plan, refusal = [], None, None
+    try:  # Horovod's argument errors; on more than one rank, only once every member has heard of them
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        named = _named(optimizer, named_parameters)
+        _check_groups(groups)
+        if comm is not None:
+            plan = _plan(comm, op, compression, gradient_predivide_factor, named)
+    except (ValueError, NotImplementedError) as exc:
+        refusal = exc
+    if comm is not None:
+        _agree(plan, refusal, named, (op, compression, gradient_predivide_factor), named_parameters is not None,
+               process_set)
+    if refusal is not None:
+        raise refusal
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {"__module__": __name__})
     wrapped = cls(optimizer.param_groups)
     wrapped._setup(optimizer, named, backward_passes_per_step, plan, process_set)
@@ -184,7 +288,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
 
 def _named(optimizer, named_parameters):
-    """Horovod's checks: ``(name, parameter)`` tuples, unique names, every parameter named."""
+    """Horovod's checks: ``(name, parameter)`` tuples, unique names, every parameter named; in the optimizer's order."""
     if named_parameters is None:
         return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
                 for j, p in enumerate(group["params"])]
@@ -203,7 +307,6 @@ def _named(optimizer, named_parameters):
     if unnamed:
         raise ValueError(f"named_parameters was specified, but one or more model parameters were not named. "
                          f"Python object ids: {', '.join(map(str, unnamed))}")
-    # Reduce in the optimizer's order (the same on every rank), not the order names were given.
     names = {id(p): name for name, p in named}
     return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
 
@@ -235,27 +338,68 @@ def _check_groups(groups):
                 seen.add(id(p))
 
 
-def _plan(process_set, op, compression, predivide, named):
-    """``(comm, op, compression, prescale, postscale)`` for the exchange, or None when there is nothing to reduce."""
-    if not scope.included(process_set):
-        return None
-    comm = scope.communicator_of(process_set)
+@dataclasses.dataclass
+class _Plan:
+    """How this rank reduces its gradients."""
+
+    comm: object             # the buckets' communicator (each reducer duplicates it)
+    op: str                  # the reducer's op: "mean", "sum", "min" or "max"
+    compression: str         # the reducer's compression: None or "fp16"
+    prescale: float          # applied to each gradient before the sum (Horovod's 1 / predivide factor)
+    postscale: float         # and after it
+    layout: list = dataclasses.field(default_factory=list)  # [(name, parameter)] trained, in the agreed order
+
+
+# The reducer's names for the ops and compressions it takes.
+_OPS = {Average: "mean", Sum: "sum", Min: "min", Max: "max"}
+_COMPRESSIONS = {None: None, NoneCompressor: None, FP16Compressor: "fp16"}
+
+
+def _plan(comm, op, compression, predivide, named):
+    """This rank's :class:`_Plan` from its arguments (ValueError, NotImplementedError for the ones refused)."""
     size = comm.Get_size()
-    if size == 1:
-        return None
-    names = {Average: "mean", Sum: "sum", Min: "min", Max: "max"}
-    if op not in names:
-        raise NotImplementedError(f"DistributedOptimizer: op {op!r} is not implemented by ringtrain on more than "
-                                  f"one rank; use Average, Sum, Min or Max")
+    if op not in _OPS:
+        # By name (op_name raises ValueError for a value that is no op at all): Adasum, not "op 2".
+        raise NotImplementedError(f"DistributedOptimizer: op=hvd.{op_name(op).capitalize()} is not implemented by "
+                                  "ringtrain on more than one rank; use hvd.Average, hvd.Sum, hvd.Min or hvd.Max")
     for name, p in named:
         if p.requires_grad and wire_dtype(p.dtype) is None:
             raise ValueError(f"DistributedOptimizer: parameter {name!r} has dtype {p.dtype}; ringtrain reduces "
                              "floating-point and complex gradients")
-    wire = reducer_compression(compression)
-    if wire is False:
+    if compression not in _COMPRESSIONS:
         raise NotImplementedError("DistributedOptimizer: only Compression.none and Compression.fp16 are supported")
-    op_name = names[op]
-    if op_name == "mean" and predivide != 1.0:
+    wire = _COMPRESSIONS[compression]
+    if _OPS[op] == "mean" and predivide != 1.0:
         # Horovod's split average: 1/f before the sum, f/size after it.
-        return comm, "sum", wire, 1.0 / predivide, predivide / size
-    return comm, op_name, wire, 1.0, 1.0
+        return _Plan(comm, "sum", wire, 1.0 / predivide, predivide / size)
+    return _Plan(comm, _OPS[op], wire, 1.0, 1.0)
+
+
+def _agree(plan, refusal, named, reduction, by_name, process_set):
+    """Check with every member that all can reduce alike; set ``plan.layout`` to the agreed order (collective).
+
+    One allgather of every member's trained parameters, reduction arguments
+    and argument error (``refusal``); every member then reaches the same
+    verdict from the same records, so a mismatch is raised on every member,
+    and a member's own argument error is named on the others instead of
+    leaving them waiting in a later collective. Returns with ``refusal``
+    for the caller to raise.
+    """
+    op, compression, predivide = reduction
+    trained = [(name, p) for name, p in named if p.requires_grad]
+    record = {"rank": runtime.rank(),
+              "refused": None if refusal is None else str(refusal).removeprefix("DistributedOptimizer: "),
+              "reduction": (_OPS.get(op, repr(op)), _COMPRESSIONS.get(compression, repr(compression)),
+                            repr(float(predivide)) if isinstance(predivide, (int, float)) else repr(predivide)),
+              "params": [(name, tuple(p.shape), str(p.dtype), p.device.type) for name, p in trained]}
+    records = allgather_object(record, process_set=process_set)
+    if refusal is not None:
+        return  # this rank's own error, raised by the caller, keeps Horovod's type
+    problem = match_problem(records, [r["rank"] for r in records], by_name)
+    if problem is not None:
+        raise CollectiveMismatchError(f"DistributedOptimizer: {problem}")
+    if by_name:  # the root's order, so that every rank's buckets hold the same gradients
+        mine = dict(trained)
+        plan.layout = [(name, mine[name]) for name, *_ in records[0]["params"]]
+    else:
+        plan.layout = trained

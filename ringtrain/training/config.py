@@ -7,6 +7,7 @@ and nothing (not even the run directory) is written.
 """
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import numpy as np
 from ..comm.policy import ALGORITHMS
 from ..errors import UsageError
 from ..models.registry import MODELS
+from ..io import tensorboard
 from ..io.safeio import MiB, TiB, file_kind, human_bytes, one_line, os_reason, read_regular
 
 __all__ = ["TrainConfig", "load_config_file", "resolve", "validate", "MUST_MATCH", "MODEL_OPTIONS", "FIELDS", "LIMITS",
@@ -76,6 +78,9 @@ class TrainConfig:
     keep: int = _f(3, "checkpoints to keep")
     resume: str = _f("auto", "auto (newest valid checkpoint in the run directory), none, or a checkpoint PATH")
     max_time: float = _f(None, "stop after this many seconds, with a final checkpoint", kind="float")
+    stop_before_time_limit: bool = _f(True, "in a Slurm job with a time limit, stop with a checkpoint before it "
+                                            "(exit status 75), leaving twice the slowest step, evaluation and "
+                                            "checkpoint plus 15 s")
     eval_every: int = _f(1, "evaluate on the test set every this many epochs (0: only at the end)")
     log_every: int = _f(50, "record a train event every this many steps")
     max_steps: int = _f(None, "stop after this many steps in all (for tests and smoke runs)", kind="int")
@@ -91,6 +96,8 @@ class TrainConfig:
                         "or shm (the peer window: shared memory, or CUDA IPC on GPUs; every rank on one host)",
                         choices=ALGORITHMS)
     timeline: str = _f(None, "write a Chrome-trace timeline of each step's phases to this file")
+    tensorboard: str = _f(None, "write TensorBoard scalars (loss, accuracy, samples/s, learning rate) to this "
+                                "directory from rank 0; needs tensorboardX (pip install tensorboardX)")
     progress: bool = _f(True, "show progress on rank 0: a bar when stderr is a terminal, else a line every "
                               "--progress-every seconds")
     progress_every: float = _f(30.0, "seconds between progress lines when stderr is not a terminal (the first "
@@ -146,6 +153,7 @@ RESUME_RULES = {
     "epochs": ("future", "how long the run goes on"),
     "max_steps": ("future", "how long the run goes on"),
     "max_time": ("future", "how long this job goes on"),
+    "stop_before_time_limit": ("future", "how long this job goes on"),
     "lr": ("future", "the step size from here on"),
     "warmup_steps": ("future", "the learning rate from here on"),
     "log_every": ("future", "logging"),
@@ -164,6 +172,7 @@ RESUME_RULES = {
     "fp16_allreduce": ("future", "how gradients are averaged"),
     "device": ("future", "where the arithmetic runs; checkpoints hold host arrays"),
     "timeline": ("future", "a trace of this job"),
+    "tensorboard": ("future", "where this job's TensorBoard scalars go"),
     "run_dir": ("where", "where this run lives"),
     "resume": ("where", "how this run was started"),
     "progress_every": ("future", "how often rank 0 prints progress"),
@@ -274,11 +283,27 @@ def parse_ints(text, name="hidden"):
                          everywhere=True) from None
 
 
+def closest_setting(name):
+    """The setting a mistyped ``name`` most likely meant, or None (pure).
+
+    The same words spelled another way first (``batch-size``, ``batchsize``),
+    then the nearest name by spelling (``epoch`` -> ``epochs``, ``learning_rate`` is too far from ``lr``).
+    """
+    if not isinstance(name, str):
+        return None
+    squeezed = name.replace("-", "").replace("_", "").lower()
+    same = [n for n in FIELDS if n.replace("_", "") == squeezed]
+    if same:
+        return same[0]
+    near = difflib.get_close_matches(name.replace("-", "_").lower(), list(FIELDS), n=1, cutoff=0.75)
+    return near[0] if near else None
+
+
 def coerce(name, value, source):
     """Convert a value from a config file to the field's type, or raise a one-line UsageError."""
     if name not in FIELDS:
-        close = [n for n in FIELDS if n.replace("_", "") == name.replace("-", "").replace("_", "")]
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = closest_setting(name)
+        hint = f"; did you mean {close!r}?" if close else ""
         raise UsageError(f"{source}: unknown setting {name!r}{hint}", everywhere=True)
     field = FIELDS[name]
     kind = type_name(field)
@@ -476,7 +501,7 @@ def _check_text(cfg, bad):
 
 
 # The settings that name files or directories.
-_PATHS = ("dataset", "run_dir", "resume", "timeline")
+_PATHS = ("dataset", "run_dir", "resume", "timeline", "tensorboard")
 
 
 def _check_root_paths(cfg, bad):
@@ -489,6 +514,10 @@ def _check_root_paths(cfg, bad):
         problem = timeline_problem(cfg.timeline)
         if problem:
             bad("timeline", problem)
+    if cfg.tensorboard is not None:
+        problem = tensorboard.missing_problem() or tensorboard.folder_problem(cfg.tensorboard)
+        if problem:
+            bad("tensorboard", problem)
 
 
 def timeline_problem(path):

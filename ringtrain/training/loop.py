@@ -18,12 +18,14 @@ import contextlib
 import dataclasses
 import importlib.util
 import math
+import os
 import sys
 import time
 
 import numpy as np
 
 from .. import backend
+from ..cluster.slurm import time_left
 from ..cluster.topology import TaskSpec
 from ..errors import UsageError
 from ..failure import agree
@@ -32,12 +34,12 @@ from ..optim import learning_rate
 from ..watchdog import Watchdog, left_neighbour
 from .config import TrainConfig, validate
 from .evaluate import reduce_eval
-from .metrics import Meter, epoch_line, outcome_warnings
+from .metrics import Meter, epoch_line, final_line, outcome_warnings
 from .progress import Progress, choose_mode
 from .replicas import check_same_settings
 from .saving import Checkpointer, Diverged
 from .startup import start, starting, usable_timeout
-from .stopping import StopSignals
+from .stopping import EXIT_SLACK, Deadline, StopSignals
 from .strategy import STOP_REQUESTS, Metric, Phases, choose_strategy, stop_reason
 from .timeline import Timeline
 
@@ -54,7 +56,7 @@ class TrainResult:
     train: dict           # the last train event: loss, accuracy, samples_per_sec
     eval: dict            # the last eval event: loss, accuracy (empty if none ran)
     run_dir: str
-    stopped: str          # "done", "max_time", "max_steps", or the signal: "sigint", "sigterm", "sigusr1"
+    stopped: str          # "done", "max_time", "max_steps", "time_limit", or the signal: "sigint", "sigterm", "sigusr1"
     checkpoint: str = None         # the final checkpoint's path; None when it could not be written
     newest_checkpoint: str = None  # when it could not: this run's newest checkpoint still on disk, or None
 
@@ -128,7 +130,7 @@ class _Run:
     def __init__(self, start):
         self.cfg, self.comm, self.spec, self.data, self.plan = start.cfg, start.comm, start.spec, start.data, start.plan
         self.model, self.opt, self.base_lr, self.log, self.xp = start.model, start.opt, start.lr, start.log, start.xp
-        self.position, self.dog = start.position, start.dog
+        self.position, self.dog, self.schedule = start.position, start.dog, start.schedule
         self.timeline = Timeline(self.comm.Get_rank(), enabled=self.cfg.timeline is not None)
         self.phases = Phases(self.timeline, self.dog, left_neighbour(self.comm.Get_rank(), self.comm.Get_size()))
         # May move the model's buffers into shared memory: views taken before this go stale.
@@ -140,6 +142,7 @@ class _Run:
         self.last_train, self.last_eval, self.best_train = {}, {}, None
         self.signals = None
         self.started = time.perf_counter()
+        self.deadline = _deadline(self)
 
     # -- the loop -------------------------------------------------------------
     def loop(self, signals=None):
@@ -149,8 +152,8 @@ class _Run:
             signals: a :class:`~ringtrain.training.stopping.StopSignals` whose
                 caught signal stops every rank after the same step.
         """
-        cfg, steps = self.cfg, self.plan.steps_per_epoch
-        step, epoch, index, streak = dataclasses.astuple(self.position)
+        cfg, position = self.cfg, self.position
+        step, epoch, index, streak = position.step, position.epoch, position.step_in_epoch, position.nonfinite_streak
         self.signals = signals
         _announce(self)
         # For `ringtrain plot`: the ranks in its title, and where the run resumed.
@@ -159,6 +162,9 @@ class _Run:
         self.log.pause = progress.paused  # the bar is cleared while rank 0 prints a line
         stopped = "max_steps" if cfg.max_steps is not None and step >= cfg.max_steps else None
         while epoch < cfg.epochs and stopped is None:
+            if self.schedule.epoch != epoch:  # a new epoch: an ordinary one at this rank count
+                self.schedule = self.plan.schedule(epoch)
+            steps = self.schedule.steps
             while index < steps and stopped is None:
                 streak = self._streak(step, self.step(step, epoch, index), streak, progress)
                 step, index = step + 1, index + 1
@@ -178,7 +184,7 @@ class _Run:
 
     def step(self, step, epoch, index):
         """One training step (collective); leaves the step's summed metrics in ``self.metrics``."""
-        rows = self.plan.batch_indices(epoch, index)
+        rows = self.schedule.batch_indices(index)
         with self.phases.local("data", step):
             xb, yb = self.xp.asarray(self.data.x[rows]), self.xp.asarray(self.data.y[rows])
         lr = learning_rate(step, self.base_lr, warmup_steps=self.cfg.warmup_steps)
@@ -207,6 +213,7 @@ class _Run:
     def _train_event(self, step, epoch):
         event = self.meter.take_window(step, epoch)
         if event is not None:
+            event["lr"] = learning_rate(step - 1, self.base_lr, warmup_steps=self.cfg.warmup_steps)  # its last step's
             self.last_train = event
             if _finite_loss(event) and (self.best_train is None or event["loss"] < self.best_train["loss"]):
                 self.best_train = event
@@ -226,7 +233,7 @@ class _Run:
         self.meter.restart()  # evaluation and checkpoints are not training time
 
     def _evaluate(self, step, epoch):
-        with self.phases.watched("evaluation allreduce", step):
+        with self.phases.watched("evaluation allreduce", step), self.deadline.timed("evaluation"):
             loss_sum, correct, count = reduce_eval(self.model, self.data, self.comm, xp=self.xp)
         # An empty test set has no accuracy: None, never a made-up 0%.
         self.last_eval = {"step": step, "epoch": epoch, "loss": loss_sum / count if count else None,
@@ -234,7 +241,9 @@ class _Run:
         self.log.event("eval", **self.last_eval)
 
     def _checkpoint(self, step, epoch, index, streak, final=False):
-        return self.checkpoints.save(step, epoch, index, streak, (self.last_train, self.last_eval), final)
+        parts = self.schedule.parts_at(index) if self.schedule.epoch == epoch else ()
+        with self.deadline.timed("checkpoint"):
+            return self.checkpoints.save(step, epoch, index, streak, (self.last_train, self.last_eval), final, parts)
 
     def _finish(self, step, epoch, index, streak, stopped):
         _say_skipped(self.log, step, streak)
@@ -245,9 +254,8 @@ class _Run:
         with self.phases.watched("final checkpoint broadcast", step):
             path, newest = self.comm.bcast((path, newest), root=0)
         self.log.event("done", step=step, epoch=epoch, stopped=stopped, checkpoint=path)
-        accuracy = self.last_eval.get("accuracy")
-        self.log.print(f"done: step {step}, epoch {epoch} ({stopped}); test accuracy "
-                       + (f"{accuracy:.2%}" if accuracy is not None else "n/a (the test set is empty)"))
+        self.log.print(final_line(stopped, step, epoch, index, self.plan.steps_per_epoch,
+                                  self.last_eval.get("accuracy")))
         for line in outcome_warnings(self.best_train, self.last_train, self.last_eval, self.data.num_classes):
             self.log.warn(line)
         _write_timeline(self, step)
@@ -273,12 +281,34 @@ def _stop_requests(run, step):
     cfg, clock = run.cfg, 0.0
     if run.comm.Get_rank() == 0:
         time_up = cfg.max_time is not None and time.perf_counter() - run.started >= cfg.max_time
-        clock = 1.0 if cfg.max_steps is not None and step >= cfg.max_steps else 2.0 if time_up else 0.0
+        limit = run.deadline.reached()
+        clock = (1.0 if cfg.max_steps is not None and step >= cfg.max_steps else 2.0 if time_up
+                 else 3.0 if limit else 0.0)
     if run.signals is None:
         requests = np.zeros(len(STOP_REQUESTS))
         requests[0] = clock
         return requests
     return run.signals.requests(clock)
+
+
+def _deadline(run):
+    """Rank 0's :class:`Deadline` from the Slurm job's time limit (the other ranks' never fires); says when."""
+    if run.comm.Get_rank() != 0 or not run.cfg.stop_before_time_limit:
+        return Deadline(None)
+    seconds, source = time_left(os.environ)
+    if seconds is None:
+        if source not in ("not in a Slurm job", "no time limit"):
+            run.log.warn(f"cannot read the Slurm job's time limit ({source}); training runs until a signal stops it")
+        return Deadline(None)
+    # The checkpoint holds the parameters and up to two optimizer buffers per parameter (Adam's moments).
+    size = 3 * sum(int(p.nbytes) for p in run.model.params.values())
+    test_rows = run.data.y_test.shape[0]
+    deadline = Deadline(seconds, size, max(1, math.ceil(test_rows / run.cfg.batch_size)))
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + seconds))
+    run.log.print(f"ringtrain: the Slurm job's time limit is at {end} ({source}); training stops with a checkpoint "
+                  "before it, leaving twice the slowest step, evaluation and checkpoint plus "
+                  f"{EXIT_SLACK:g} s (--no-stop-before-time-limit to run into it)")
+    return deadline
 
 
 def _say_skipped(log, step, streak):

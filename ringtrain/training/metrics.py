@@ -10,7 +10,7 @@ import numpy as np
 
 from .strategy import Metric
 
-__all__ = ["Meter", "epoch_line", "outcome_warnings", "EXPLODED", "CHANCE_MARGIN"]
+__all__ = ["Meter", "epoch_line", "final_line", "outcome_warnings", "EXPLODED", "CHANCE_MARGIN"]
 
 # A train loss this many times its first value has blown up, finite or not.
 EXPLODED = 10.0
@@ -72,6 +72,26 @@ def epoch_line(epoch, epochs, sums, seconds, elapsed, last_eval):
     if n and seconds > 0:
         line += f"  {n / seconds:,.0f} samples/s"
     return line + f"  ({elapsed:.1f}s)"
+
+
+# Why a run ended (TrainResult.stopped), as the final line says it.
+_ENDINGS = {"done": "finished", "max_steps": "stopped at --max-steps", "max_time": "stopped at --max-time",
+            "sigint": "stopped by SIGINT", "sigterm": "stopped by SIGTERM", "sigusr1": "stopped by SIGUSR1"}
+
+
+def final_line(stopped, step, epoch, index, steps_per_epoch, accuracy):
+    """The line rank 0 prints when the run ends (pure).
+
+    ``epoch`` counts the epochs completed and ``index`` the steps into the
+    next one, so a run stopped mid-epoch says which epoch it was in:
+    ``stopped by SIGINT: step 321, in epoch 11 (step 1 of 32); test accuracy 93.87%``.
+    """
+    if index:
+        where = f"in epoch {epoch + 1} (step {index} of {steps_per_epoch})"
+    else:
+        where = f"{epoch} epoch{'' if epoch == 1 else 's'} done"
+    score = f"{accuracy:.2%}" if accuracy is not None else "n/a (the test set is empty)"
+    return f"{_ENDINGS.get(stopped, stopped)}: step {step}, {where}; test accuracy {score}"
 
 
 def outcome_warnings(best_train, last_train, last_eval, classes):

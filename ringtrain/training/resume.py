@@ -31,6 +31,7 @@ import os
 import uuid
 
 from .. import backend
+from ..data.sharding import EpochPart
 from ..io.checkpoint import CheckpointError, check_formats, latest_valid_checkpoint, read_checkpoint
 from ..comm.collectives import broadcast_
 from ..errors import UsageError
@@ -39,19 +40,80 @@ from ..io.rundir import write_json_atomic
 from ..io.safeio import KiB, read_regular
 from .config import flag_name, resume_differences
 
-__all__ = ["Position", "Lineage", "resume", "find_checkpoint", "read_lineage", "write_lineage", "LINEAGE_NAME"]
+__all__ = ["Position", "Lineage", "resume", "position_from_meta", "data_position", "DATA_POSITION", "find_checkpoint",
+           "read_lineage", "write_lineage", "LINEAGE_NAME"]
 
 LINEAGE_NAME = "lineage.json"
 
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where training stands: the next step to take and the data order's place."""
+    """Where training stands: the next step to take and the data order's place.
+
+    ``parts`` is the position in samples: the current epoch so far as
+    :class:`~ringtrain.data.sharding.EpochPart` records (rank count, samples
+    of its order consumed), which :meth:`ringtrain.data.sharding.EpochPlan.schedule`
+    continues at any rank count.
+    """
 
     step: int = 0             # optimizer steps taken in all
     epoch: int = 0            # epochs completed
-    step_in_epoch: int = 0    # steps taken in the current epoch
+    step_in_epoch: int = 0    # steps taken in the current epoch, at whatever rank counts
     nonfinite_streak: int = 0  # non-finite steps in a row just before this point
+    parts: tuple = ()         # the current epoch so far, as EpochPart records
+
+
+# The checkpoint metadata key of the position in samples (see data_position).
+DATA_POSITION = "data_position"
+
+
+def data_position(epoch, parts):
+    """The checkpoint metadata that records where the data order stands (pure, plain JSON).
+
+    ``{"epoch": E, "parts": [[ranks, samples], ...]}``: the samples of epoch
+    E's order consumed so far, in stretches at one rank count each.
+    """
+    return {"epoch": int(epoch), "parts": [[int(p.ranks), int(p.samples)] for p in parts]}
+
+
+def position_from_meta(meta, batch_size, ranks):
+    """The :class:`Position` a checkpoint's metadata records (pure).
+
+    A checkpoint from before the position was recorded in samples holds its
+    epoch's steps and the rank count that took them (or nothing, then this
+    run's ``ranks``): the same position, in samples.
+
+    Raises:
+        ValueError: metadata that cannot be a position (a damaged or crafted file).
+    """
+    epoch, index = meta["epoch"], meta["step_in_epoch"]
+    recorded = meta.get(DATA_POSITION)
+    if recorded is None:
+        then = meta.get("world_size") or ranks
+        parts = (EpochPart(then, index * then * batch_size),) if index else ()
+    else:
+        try:
+            if recorded["epoch"] != epoch:
+                raise ValueError(f"it is for epoch {recorded['epoch']!r}, not {epoch}")
+            parts = tuple(EpochPart(*_counts(pair)) for pair in recorded["parts"])
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"expected {{'epoch': E, 'parts': [[ranks, samples], ...]}} ({exc})") from None
+        steps = 0
+        for part in parts:
+            if part.ranks < 1 or part.samples % (part.ranks * batch_size):
+                raise ValueError(f"{part.samples} samples is not a whole number of steps of {part.ranks} rank(s) "
+                                 f"x batch size {batch_size}")
+            steps += part.samples // (part.ranks * batch_size)
+        if steps != index:
+            raise ValueError(f"its parts add up to {steps} steps and step_in_epoch is {index}")
+    return Position(meta["step"], epoch, index, meta.get("nonfinite_streak", 0), parts)
+
+
+def _counts(pair):
+    ranks, samples = pair
+    if not (_count(ranks) and _count(samples)):
+        raise TypeError(f"{pair!r:.40} is not a pair of counts")
+    return ranks, samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,15 +250,18 @@ def _check_settings(found, cfg, size, warn, fingerprint=None):
                     else f"give {flag} {_shown(then)}, or --resume none to start afresh")
         raise UsageError(f"--resume {cfg.resume}: cannot resume from {path}: it was trained with {flag} "
                          f"{_shown(then)} and this run has {flag} {_shown(now)}, which changes {why}; {ways_out}")
+    try:  # after the settings: a changed --batch-size is said as such, not as a damaged position
+        position_from_meta(meta, cfg.batch_size, size)
+    except ValueError as exc:
+        raise UsageError(f"checkpoint {path}: damaged metadata ({DATA_POSITION}: {exc}); give another --resume "
+                         "PATH, or --resume none") from None
     ranks = meta.get("world_size")
     if ranks not in (None, size):
-        if auto:
-            raise UsageError(f"--resume auto: cannot resume from {path}: it was written by a {ranks}-rank job and "
-                             f"this one has {size} ranks, which changes the data order; run on {ranks} ranks, "
-                             f"give --resume {path} to go on with {size} anyway, or give a new --run-dir, or "
-                             "--resume none to start afresh")
-        warn(f"resuming a {ranks}-rank run on {size} ranks: "
-             "the data order differs, so results will not match the original run exactly")
+        # The position is kept in samples, so the rest of the epoch is exact at any rank count.
+        rest = (f"; the rest of epoch {meta['epoch'] + 1} trains on exactly the samples it had not reached"
+                if meta["step_in_epoch"] else "")
+        warn(f"resuming a {ranks}-rank run on {size} ranks: the data order differs from here on, so results will "
+             f"not match a {ranks}-rank run bitwise{rest}")
     if not changed:
         return None
     return "ringtrain: settings changed since the checkpoint: " + ", ".join(
@@ -294,6 +359,11 @@ def resume(comm, cfg, run_dir, params, opt, log, dog=None, fingerprint=None):
     log.print(f"resumed from {header['path']} at step {meta['step']} (epoch {meta['epoch']})")
     if notice:
         log.print(notice)
-    position = Position(meta["step"], meta["epoch"], meta["step_in_epoch"], meta.get("nonfinite_streak", 0))
+    # Checked on rank 0 (_check_settings) when the checkpoint has its settings recorded.
+    try:
+        position = position_from_meta(meta, cfg.batch_size, comm.Get_size())
+    except ValueError as exc:
+        raise UsageError(f"checkpoint {header['path']}: damaged metadata ({DATA_POSITION}: {exc})",
+                         everywhere=True) from None
     return position, lineage, header["path"]
 

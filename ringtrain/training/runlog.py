@@ -1,4 +1,4 @@
-"""What rank 0 writes and prints: the run directory, metrics.jsonl, epoch lines.
+"""What rank 0 writes and prints: the run directory, metrics.jsonl, TensorBoard scalars, epoch lines.
 
 Only the master writes or prints; on every other rank a RunLog is silent, so
 the trainer calls it unconditionally and stays free of ``if rank == 0``.
@@ -27,6 +27,7 @@ from ..errors import UsageError
 from ..io.rundir import (CONFIG_NAME, LOCK_NAME, METRICS_NAME, MetricsFile, RunDirInUse, RunDirLock,
                          default_run_dir, write_json_atomic)
 from ..io.safeio import one_line, os_reason, printable
+from ..io.tensorboard import TensorBoard
 
 __all__ = ["RunLog", "RunDirInUse", "default_run_dir", "write_json_atomic", "LOCK_NAME"]
 
@@ -38,9 +39,11 @@ class RunLog:
         run_dir: the run directory (created by :meth:`open`).
         is_master: False makes every method a no-op.
         stream: where lines are printed (default stdout).
+        tensorboard: a folder for TensorBoard scalars of the train and eval
+            events (``--tensorboard``), or None.
     """
 
-    def __init__(self, run_dir, is_master, stream=None):
+    def __init__(self, run_dir, is_master, stream=None, tensorboard=None):
         self.run_dir = run_dir
         self.is_master = is_master
         self.stream = stream or sys.stdout
@@ -51,6 +54,7 @@ class RunLog:
         self._dir_id = None  # (st_dev, st_ino) of the run directory once open
         self._gone = False  # the run directory was deleted and could not be recreated
         self._warned = set()
+        self._board = TensorBoard(tensorboard, self.warn) if tensorboard is not None and is_master else None
         # A context in which a line is printed: the trainer's progress bar
         # sets one that clears the bar first, so lines are never torn.
         self.pause = contextlib.nullcontext
@@ -115,6 +119,8 @@ class RunLog:
             return
         self._check_dir()
         self._metrics.append({"event": event, **fields, "time": round(time.time() - self._start, 4)})
+        if self._board is not None:
+            self._board.write(event, fields)
 
     def _check_dir(self, recreate=True):
         """Notice a run directory deleted (or replaced) under a running job; say what was lost; recreate it."""
@@ -165,7 +171,9 @@ class RunLog:
             self.warn(line)
 
     def close(self):
-        """Close metrics.jsonl and give up the run directory's lock."""
+        """Close metrics.jsonl and the TensorBoard file and give up the run directory's lock."""
+        if self._board is not None:
+            self._board.close()
         if self._dir_id is not None:
             self._check_dir(recreate=False)
         self._metrics.close()

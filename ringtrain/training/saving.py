@@ -22,6 +22,7 @@ from ..data.standardize import scaling_arrays
 from ..io.checkpoint import CheckpointError, save_checkpoint
 from .config import to_json
 from .replicas import check_params_everywhere
+from .resume import DATA_POSITION, data_position
 
 __all__ = ["Checkpointer", "Diverged", "all_finite", "lower_lr"]
 
@@ -66,11 +67,13 @@ class Checkpointer:
         self.saved = start.resumed_from
         self._warned = False
 
-    def save(self, step, epoch, index, streak, records, final=False):
+    def save(self, step, epoch, index, streak, records, final=False, parts=()):
         """Gather, check and (on rank 0) save; returns the path, or None (collective).
 
         Args:
             records: ``(last train event, last eval event)`` for the metadata.
+            parts: the epoch so far as :class:`~ringtrain.data.sharding.EpochPart`
+                records (the position in samples; empty at an epoch's start).
         """
         run = self.run
         with self.phases.watched("optimizer state allgather", step):
@@ -91,7 +94,7 @@ class Checkpointer:
                 "world_size": run.comm.Get_size(), "digest": digest, "final": final,
                 "config": to_json(run.cfg), "train": _finite(last_train), "eval": _finite(last_eval),
                 "lineage": run.lineage.id if run.lineage is not None else None, "dataset": run.fingerprint,
-                "model_name": run.model_name}
+                "model_name": run.model_name, DATA_POSITION: data_position(epoch, parts)}
         try:
             path = save_checkpoint(run.log.checkpoint_dir, step, arrays, meta, keep=run.cfg.keep)
         except (OSError, CheckpointError) as exc:  # save_checkpoint turns an OSError into CheckpointError

@@ -51,6 +51,7 @@ class Start:
     resumed_from: str = None     # rank 0: the checkpoint resumed from, None for a fresh start
     fingerprint: dict = None     # rank 0: the dataset's resolved path and content hash (None for built-ins)
     model_name: str = None       # what is trained, in words: "mlp 256-128", "torch Net", "custom MyModel"
+    schedule: object = None      # the resumed epoch's :class:`~ringtrain.data.sharding.EpochSchedule`
 
 
 def usable_timeout(value):
@@ -99,6 +100,11 @@ def start(cfg, comm, spec, model, stream, threads, dog):
                   "set OMP_NUM_THREADS to choose)")
     fingerprint = dataset_fingerprint(cfg.dataset) if spec.is_master else None
     position, lineage, resumed_from = resume(comm, cfg, run_dir, model.params, opt, log, dog, fingerprint)
+    try:  # every rank holds the same position and plan: the same verdict everywhere, before anything is written
+        schedule = plan.schedule(position.epoch, position.parts)
+    except ValueError as exc:
+        raise UsageError(f"the checkpoint resumed from: damaged data position ({exc}); give another --resume "
+                         "PATH, or --resume none", everywhere=True) from None
     problem = None
     try:
         log.open(dict(to_json(dataclasses.replace(cfg, run_dir=run_dir)), model_name=name))
@@ -112,14 +118,14 @@ def start(cfg, comm, spec, model, stream, threads, dog):
     with starting(dog, "run directory agreement"):
         agree(comm, problem)
     return Start(cfg, comm, spec, data, plan, model, opt, lr, log, xp, position, dog, lineage, resumed_from,
-                 fingerprint, name)
+                 fingerprint, name, schedule)
 
 
 def _open_log(cfg, comm, spec, stream, dog):
     """Rank 0's run directory, known to every rank, and claimed before it is read or written."""
     with starting(dog, "run directory broadcast"):
         run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
-    log = RunLog(run_dir, spec.is_master, stream=stream)
+    log = RunLog(run_dir, spec.is_master, stream=stream, tensorboard=cfg.tensorboard)
     with starting(dog, "run directory agreement"):
         agree(comm, log.claim())  # a directory another live job holds: refused before it is read or written
     return log, run_dir

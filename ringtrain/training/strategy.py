@@ -57,7 +57,7 @@ class Metric(enum.IntEnum):
     SIGUSR1 = 7
 
 
-STOP_REASONS = {1: "max_steps", 2: "max_time"}
+STOP_REASONS = {1: "max_steps", 2: "max_time", 3: "time_limit"}
 
 # The entries a rank's stop requests go in, in the order Strategy.step takes them.
 STOP_REQUESTS = (Metric.STOP, Metric.SIGINT, Metric.SIGTERM, Metric.SIGUSR1)

@@ -10,8 +10,10 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -245,8 +247,8 @@ def test_resume_falls_back_past_damaged_checkpoints_and_a_stale_temporary(tmp_pa
         data = bytearray(path.read_bytes())
         if how == "truncate":
             data = data[:-100]
-        elif how == "flip":
-            data[len(data) // 2] ^= 0x40
+        elif how == "flip":  # one bit in the middle of the last parameter's bytes (not in a zip header)
+            data[_middle_of_member(path, "params/")] ^= 0x40
         else:  # half-written: what a non-atomic writer leaves when it dies
             data = data[:len(data) // 2]
         path.write_bytes(bytes(data))
@@ -265,6 +267,16 @@ def test_resume_falls_back_past_damaged_checkpoints_and_a_stale_temporary(tmp_pa
         assert any(f"skipping damaged checkpoint {ckpts}/ckpt-{step:08d}.npz" in w for w in warnings), show(resumed)
     assert f"resumed from {ckpts}/ckpt-00000004.npz at step 4" in resumed.stdout, show(resumed)
     assert_bitwise_equal(final_params(run_dir), final_params(tmp_path / "straight"))
+
+
+def _middle_of_member(path, prefix):
+    """The offset of the middle byte of the last ``prefix`` member's stored data in the zip at ``path``."""
+    with zipfile.ZipFile(path) as z:
+        info = [i for i in z.infolist() if i.filename.startswith(prefix)][-1]
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", fh.read(4))
+    return info.header_offset + 30 + name_len + extra_len + info.compress_size // 2
 
 
 def test_failed_save_keeps_earlier_checkpoints_is_reported_and_training_goes_on(tmp_path):

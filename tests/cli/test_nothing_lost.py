@@ -86,7 +86,7 @@ def test_max_steps_already_reached_trains_nothing(tmp_path, ranks):
     assert first.returncode == 0, show(first)
     again = mpirun(ranks, rt("train", *flags), timeout=60)
     assert again.returncode == 0, show(again)
-    assert "done: step 10, epoch 0 (max_steps)" in again.stdout, show(again)
+    assert "stopped at --max-steps: step 10, in epoch 1 (step 10 of " in again.stdout, show(again)
     assert [read_checkpoint(p)[1]["step"] for p in list_checkpoints(run_dir / "checkpoints")] == [10]
 
 
@@ -101,7 +101,7 @@ def test_without_run_dir_the_settings_come_back_with_resume_run_dir(tmp_path):
     assert again.returncode == 0, show(again)
     assert "resumed from" in again.stdout and "at step 50" in again.stdout, show(again)
     assert "320 training samples" in again.stdout and "settings changed" in again.stdout, show(again)
-    assert "done: step 80, epoch 2 (done)" in again.stdout, show(again)  # --epochs 2 came back too
+    assert "finished: step 80, 2 epochs done" in again.stdout, show(again)  # --epochs 2 came back too
     assert os.listdir(tmp_path / "runs") == [os.path.basename(run_dir)]
 
 
@@ -148,7 +148,7 @@ def test_a_data_file_cut_short_under_a_running_job_does_not_end_it(tmp_path, ran
             os.killpg(proc.pid, 9)
     # Before: SIGBUS on the first page of x past the cut, no message, no checkpoint.
     assert proc.returncode == 0, first + out + err
-    assert "done: step" in out and "(max_time)" in out, first + out + err
+    assert "stopped at --max-time: step" in out, first + out + err
 
 
 def test_a_data_file_rewritten_while_it_is_read_is_named(tmp_path):
@@ -173,7 +173,7 @@ def test_a_run_directorys_settings_work_from_another_directory(tmp_path):
     # The recorded run_dir is relative to a/; from b/ it still means the run's own directory.
     again = run(rt("train", "--resume", str(run_dir), "--max-steps", "40"), cwd=str(tmp_path / "b"), timeout=60)
     assert again.returncode == 0, show(again)
-    assert "at step 30" in again.stdout and "done: step 40" in again.stdout, show(again)
+    assert "at step 30" in again.stdout and "stopped at --max-steps: step 40, " in again.stdout, show(again)
     assert not (tmp_path / "b" / "runs").exists()
     assert 40 in [read_checkpoint(p)[1]["step"] for p in list_checkpoints(run_dir / "checkpoints")]
 

@@ -55,6 +55,8 @@ def test_plot_skips_a_truncated_last_line_and_keeps_the_latest_record_per_step(t
     (lambda p: p / "missing", "no such run directory"),
     (lambda p: p, "no metrics.jsonl there"),
     (lambda p: (p / "metrics.jsonl").write_text('not json\n{"event": "train"}\n') and p, "line 1: not a JSON object"),
+    # Nested past Python's recursion limit (a RecursionError in json, not a ValueError).
+    (lambda p: (p / "metrics.jsonl").write_text("[" * 100_000 + "\n{}\n") and p, "line 1: not a JSON object"),
     (lambda p: (p / "metrics.jsonl").write_text('{"event": "done"}\n') and p, "no train or eval events"),
 ])
 def test_bad_run_dir_is_one_line_exit_2(tmp_path, make, needle):
@@ -129,6 +131,7 @@ def test_plot_draws_the_timeline_of_a_few_steps(trained, tmp_path):
 @pytest.mark.parametrize("content, flags, needle", [
     (None, [], "no such file"),
     ("not json", [], "not JSON"),
+    ("[" * 100_000, [], "not JSON"),
     ('{"events": []}', [], "not a Chrome trace"),
     ('{"traceEvents": [{"ph": "M", "name": "process_name"}]}', [], "no step spans"),
     ('{"traceEvents": []}', ["--steps", "0"], "--steps must be at least 1"),

@@ -55,7 +55,7 @@ def test_the_same_name_with_other_contents_is_refused(tmp_path, ranks):
 # --- what a run says it trained ----------------------------------------------------------------
 
 def test_a_torch_model_is_recorded_as_what_it_is(tmp_path):
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
     program = os.path.join(ROOT, "tests", "cli", "programs", "torch_train.py")
     run_dir = tmp_path / "run"
     result = mpirun(2, [sys.executable, program, "none", "0", "0", "--dataset", "digits", "--batch-size", "16",

@@ -99,7 +99,7 @@ def test_a_fifo_named_like_a_checkpoint_is_skipped_on_resume(tmp_path):
     result = mpirun(2, ringtrain("train", *SMALL, "--run-dir", str(tmp_path / "run")), timeout=60)
     assert result.returncode == 0, show(result)
     assert any("ckpt-00000099.npz: is a FIFO, not a regular file" in w for w in warnings(result)), show(result)
-    assert "resumed from" not in result.stdout and "done: step" in result.stdout, show(result)
+    assert "resumed from" not in result.stdout and "finished: step" in result.stdout, show(result)
 
 
 # ---------------------------------------------------------------- the run directory's owner
@@ -143,7 +143,7 @@ def test_a_second_job_in_a_held_run_directory_is_refused_and_the_first_finishes(
     lines = job_b.stderr.strip().splitlines()
     assert len(lines) == 1 and "in use by another ringtrain job (pid " in lines[0], show(job_b)
     assert "resumed from" not in job_b.stdout, show(job_b)
-    assert result_a.returncode == 0 and "(max_time)" in result_a.stdout, show(result_a)
+    assert result_a.returncode == 0 and "stopped at --max-time: " in result_a.stdout, show(result_a)
     assert json.loads((run_dir / "config.json").read_text())["lr"] == 0.1  # A's, never B's
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["event"] == "done" and sum(r["event"] == "done" for r in records) == 1
@@ -238,7 +238,7 @@ def test_full_disk_for_metrics_is_one_warning_and_training_goes_on(tmp_path):
                                      str(run_dir)), timeout=90)
         # Training goes on to the end; the disk that refused the metrics refuses the
         # final checkpoint too, and the run says so honestly (exit 3, see test_resume_rules).
-        assert result.returncode == 3 and "done: step 600" in result.stdout, show(result)
+        assert result.returncode == 3 and "finished: step 600, 30 epochs done" in result.stdout, show(result)
         assert "ringtrain: error: the final checkpoint (step 600) was not written" in result.stderr, show(result)
         metric_warnings = [w for w in warnings(result) if "metrics.jsonl: cannot write" in w]
         assert len(metric_warnings) == 1 and "no space left on device" in metric_warnings[0], show(result)

@@ -1,4 +1,4 @@
-"""A second Ctrl-C while the ranks exit after a graceful stop: status 130, no traceback.
+"""A second signal while the ranks exit after a graceful stop: the first one's status, no traceback.
 
 The run is stopped by SIGINT (it checkpoints and starts to exit); while
 every rank lingers on its way out (tests/cli/programs/slow_exit.py), each
@@ -59,3 +59,33 @@ def test_a_second_sigint_while_exiting_gives_130_and_no_traceback(tmp_path, np):
     assert proc.returncode == 130, show(result)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, show(result)
     assert "ringtrain: stopped at step" in err, show(result)
+
+
+@pytest.mark.parametrize("first, second, status", [(signal.SIGUSR1, signal.SIGINT, 138),
+                                                   (signal.SIGTERM, signal.SIGUSR1, 143)])
+def test_a_second_signal_while_waiting_in_mpi_finalize_keeps_the_first_ones_status(tmp_path, first, second, status):
+    # Rank 1 lingers after its run; rank 0 goes straight on to exit and waits
+    # for it in MPI's finalisation, where Python no longer runs handlers. The
+    # second signal reaches rank 0 there.
+    program = [sys.executable, SLOW_EXIT, str(tmp_path), "4", *FLAGS, "--run-dir", str(tmp_path / "run")]
+    args = mpirun_command(2, program)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=job_env(SLOW_EXIT_RANKS="1"), cwd=ROOT, start_new_session=True)
+    try:
+        pids = [tmp_path / f"pid-{r}" for r in range(2)]
+        assert wait_for(pids, proc), show(subprocess.CompletedProcess(args, proc.poll(), *proc.communicate()))
+        time.sleep(1.0)  # into the training steps
+        for path in pids:
+            os.kill(int(path.read_text()), first)
+        assert wait_for([tmp_path / f"exiting-{r}" for r in range(2)], proc), \
+            show(subprocess.CompletedProcess(args, proc.poll(), *proc.communicate()))
+        time.sleep(1.0)  # rank 0 is in MPI_Finalize, rank 1 still asleep
+        os.kill(int(pids[0].read_text()), second)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    result = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    assert proc.returncode == status, show(result)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "BAD TERMINATION" not in err, show(result)

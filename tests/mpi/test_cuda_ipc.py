@@ -52,6 +52,35 @@ def test_cuda_ipc_allreduce_matches_mpi_and_its_phases(cp, n):
 
 
 @pytest.mark.mpi
+def test_back_to_back_fused_allreduces_reuse_the_halves_safely_and_give_the_phases_bits(cp):
+    # The fused allreduce stages a whole call in one half and reads its peers'
+    # slots after its last barrier: calls that follow at once, fused or phased,
+    # must not overwrite a half a slow peer still reads.
+    dup = comm.Dup()
+    transport = create_transport("cuda-ipc", dup)
+    wants, fused, phased = [], [], []
+    for trial, (n, dtype, op) in enumerate([(100_003, np.float32, "sum"), (65_537, np.float64, "max"),
+                                            (3, np.float32, "sum"), (200_001, np.int64, "min"),
+                                            (100_003, np.float32, "sum"), (1 << 20, np.float32, "sum")]):
+        combine = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+        host = data(n, dtype, 40 + trial)
+        x, y = cp.asarray(host), cp.asarray(host)
+        transport.allreduce(x, combine)
+        transport.reduce_scatter(y, combine)
+        transport.allgather(y)
+        fused.append(cp.asnumpy(x))
+        phased.append(cp.asnumpy(y))
+        wants.append(reference(host, op))
+    everywhere = [same_everywhere(f) for f in fused]
+    transport.close()
+    dup.Free()
+    for got, again, want in zip(fused, phased, wants):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+        assert np.array_equal(got, again)
+    assert all(everywhere)
+
+
+@pytest.mark.mpi
 def test_allreduce_of_a_cupy_array_takes_cuda_ipc_on_one_host(cp):
     x = cp.asarray(data(1 << 20, np.float64, 6))
     want = reference(cp.asnumpy(x), "mean")

@@ -208,6 +208,22 @@ def test_too_many_backward_passes_is_refused():
     assert message is not None and "more than backward_passes_per_step" in message
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_op_ringtrain_does_not_reduce_is_named():
+    model = _net(torch.float64)
+    messages = {}
+    for op in (hvd.Adasum, hvd.Product, 7):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), op=op)
+        except (NotImplementedError, ValueError) as exc:
+            messages[op] = f"{type(exc).__name__}: {exc}"
+    assert messages[hvd.Adasum].startswith("NotImplementedError: DistributedOptimizer: op=hvd.Adasum is not "
+                                           "implemented by ringtrain on more than one rank; use hvd.Average"), messages
+    assert "op=hvd.Product is not implemented" in messages[hvd.Product], messages
+    assert messages[7].startswith("ValueError: unknown reduction op 7; choose one of average (0)"), messages
+
+
 STATEFUL = ["ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"]
 
 
@@ -427,7 +443,7 @@ def test_buckets_are_handed_over_while_backward_runs(monkeypatch):
     during = []
     # The first layer's weight is among the last gradients backward makes: by then the later layers'
     # buckets must already be on their way (registered after the optimizer's hook, so it runs after it).
-    model[0].weight.register_post_accumulate_grad_hook(lambda p: during.append(opt._exchange.started()))
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: during.append(opt._buckets.started()))
     x, y = _batch(0, ROWS * size, torch.float64)
     opt.zero_grad()
     F.mse_loss(model(_mine(x)), _mine(y)).backward()
@@ -435,21 +451,22 @@ def test_buckets_are_handed_over_while_backward_runs(monkeypatch):
     ref_opt.zero_grad()
     F.mse_loss(reference(x), y).backward()
     ref_opt.step()
-    buckets = sum(len(r.buckets) for r in opt._exchange.reducers)
+    buckets = sum(len(r.buckets) for r in opt._buckets.reducers)
     assert buckets == 4 and len(during) == 1 and during[0] >= 2, (buckets, during)
     assert _close(model, reference, 1e-9)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
+@pytest.mark.parametrize("sparse_as_dense, predivide", [(False, 1.0), (True, 1.0), (False, 4.0)])
+def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense, predivide):
     # Each rank looks up its own rows; the reference sums every rank's lookups on one embedding.
     def build():
         torch.manual_seed(3)
         return torch.nn.Embedding(10, 3, sparse=True).double()
 
     emb, reference = build(), build()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), sparse_as_dense=sparse_as_dense)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=predivide)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     ids = [torch.tensor([r % 10, (3 * r + 1) % 10, 7]) for r in range(size)]
     for _ in range(2):
@@ -461,3 +478,138 @@ def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
         ref_opt.step()
     assert emb.weight.grad.is_sparse
     assert torch.allclose(emb.weight, reference.weight, atol=1e-12)
+
+
+def _square_net():
+    """Two layers of the same shapes: ranks that swap them agree on every shape, so only names tell them apart."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6)).double()
+
+
+def _loss(model, x, y):
+    return F.mse_loss(model(x)[:, :y.shape[1]], y)
+
+
+def _averaged_gradients(model, x, y):
+    """Reference: this rank's gradients on a plain copy of ``model``, averaged by MPI's own Allreduce, by name.
+
+    Collective: every rank must call it at the same point.
+    """
+    copy = pickle.loads(pickle.dumps(model))  # hooks are not pickled: a plain copy
+    copy.zero_grad()
+    _loss(copy, x, y).backward()
+    averaged = {}
+    for name, p in sorted(copy.named_parameters()):
+        g = p.grad.numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, g)
+        averaged[name] = torch.from_numpy(g / size)
+    return averaged
+
+
+def _reduced_gradients(opt, model, steps, keep_grads=False):
+    """(the optimizer's reduced gradients, the reference's) for ``steps`` steps, by step and name."""
+    got, want = [], []
+    for step in range(steps):
+        x, y = (_mine(t) for t in _batch(step, ROWS * size, torch.float64))
+        want.append(_averaged_gradients(model, x, y))
+        opt.zero_grad(set_to_none=not keep_grads)
+        _loss(model, x, y).backward()
+        opt.synchronize()
+        got.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        with opt.skip_synchronize():
+            opt.step()
+    return got, want
+
+
+def _assert_same_gradients(got, want):
+    for step, (mine, theirs) in enumerate(zip(got, want)):
+        for name in theirs:
+            torch.testing.assert_close(mine[name], theirs[name], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}")
+
+
+@pytest.mark.mpi
+def test_predivide_applies_when_gradients_are_kept_between_steps():
+    # zero_grad(set_to_none=False) keeps .grad, which after the first step is a view of its bucket slot:
+    # the 1/f before the sum must still be applied, or the f/size after it leaves gradients f times too large.
+    model = _net(torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), gradient_predivide_factor=4.0)
+    got, want = _reduced_gradients(opt, model, steps=3, keep_grads=True)
+    _assert_same_gradients(got, want)
+
+
+@pytest.mark.mpi
+def test_ranks_that_list_parameters_in_different_orders_match_them_by_name():
+    model = _square_net()
+    named = list(model.named_parameters())  # weight, bias of layer 0, then of layer 2
+    # Each of up to four ranks its own order of the optimizer's list and of the names. Rank 1 swaps the
+    # layers, which keeps every shape in place: matched by position, its gradients would mix silently.
+    turn = (0, 2, 1, 3)[rank % 4]
+    named = named[turn:] + named[:turn]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9),
+                                   named_parameters=named)
+    got, want = _reduced_gradients(opt, model, steps=2)
+    replicas = comm.allgather(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters())))
+    _assert_same_gradients(got, want)
+    assert all(r == replicas[0] for r in replicas)
+
+
+@pytest.mark.mpi
+def test_parameters_are_averaged_in_place_under_no_grad():
+    # The model-averaging idiom: in-place collectives on leaf parameters, as torch and Horovod allow.
+    model = _net(torch.float64, seed=rank)
+    params = [p for _, p in sorted(model.named_parameters())]
+    want = []
+    for p in params:
+        w = p.detach().numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, w)
+        want.append(torch.from_numpy(w / size))
+    with torch.no_grad():  # averages: the sums are scaled in place too
+        returned = [hvd.allreduce_(p, name=f"avg.{i}") for i, p in enumerate(params)]
+        grouped = hvd.grouped_allreduce_(params, name="avg.grouped")  # an average of equal values changes none
+        hvd.broadcast_(params[0], root_rank=size - 1, name="avg.root")
+    assert all(r is p for r, p in zip(returned + grouped, params + params))
+    assert all(p.requires_grad and isinstance(p, torch.nn.Parameter) for p in params)
+    for i, (p, w) in enumerate(zip(params, want)):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-12, msg=lambda m, i=i: f"parameter {i}: {m}")
+
+
+@pytest.mark.mpi
+def test_a_sparse_tensor_is_refused_with_the_fix():
+    sparse = torch.ones(2 * size, 3).to_sparse()
+    calls = {"allreduce": lambda: hvd.allreduce(sparse), "allreduce_": lambda: hvd.allreduce_(sparse),
+             "grouped_allreduce": lambda: hvd.grouped_allreduce([sparse]),
+             "broadcast": lambda: hvd.broadcast(sparse, 0), "broadcast_": lambda: hvd.broadcast_(sparse, 0),
+             "allgather": lambda: hvd.allgather(sparse), "alltoall": lambda: hvd.alltoall(sparse),
+             "reducescatter": lambda: hvd.reducescatter(sparse)}
+    errors = {}
+    for name, call in calls.items():
+        try:  # every rank passes the same sparse tensor: refused on this rank before anything is sent
+            call()
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    dense = hvd.allreduce(sparse.to_dense(), op=hvd.Sum, name="dense")
+    total = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Sum)()
+    assert all(e is not None and "\n" not in e and "sparse_allreduce_async" in e and "to_dense()" in e
+               for e in errors.values()), errors
+    assert torch.equal(total.to_dense(), dense) and torch.equal(dense, torch.full((2 * size, 3), float(size)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="engine: negotiation.first_difference compares a NaN factor unequal to itself")
+def test_nan_factors_on_every_rank_are_not_a_mismatch():
+    out = hvd.allreduce(torch.ones(3), prescale_factor=float("nan"), name="nan-prescale")
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="engine: its thread scales in-place outputs under autograd, without the caller's no_grad")
+def test_async_in_place_ops_take_a_parameter_under_no_grad():
+    p = torch.nn.Parameter(torch.full((3,), float(rank)))
+    with torch.no_grad():  # an average: the engine scales the sum in place
+        out = hvd.synchronize(hvd.allreduce_async_(p, name="async-param"))
+    assert out is p and torch.equal(p.detach(), torch.full((3,), sum(range(size)) / size))

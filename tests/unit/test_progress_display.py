@@ -53,3 +53,15 @@ def test_progress_prints_lines_on_its_clock():
     # 91 steps left at 0.6 s a step
     assert lines[0].startswith("epoch 1/2  step 9/50  loss 2.0000") and lines[0].endswith("13 samples/s  eta 54s")
     assert len(lines) == 2
+
+
+def test_the_final_line_says_how_and_where_the_run_ended():
+    from ringtrain.training.metrics import final_line
+
+    assert final_line("done", 320, 10, 0, 32, 0.953) == "finished: step 320, 10 epochs done; test accuracy 95.30%"
+    # Stopped one step into epoch 11: the epoch it was in, not the 10 it had completed.
+    assert final_line("sigint", 321, 10, 1, 32, 0.9387) == \
+        "stopped by SIGINT: step 321, in epoch 11 (step 1 of 32); test accuracy 93.87%"
+    assert final_line("max_steps", 10, 0, 10, 40, None) == \
+        "stopped at --max-steps: step 10, in epoch 1 (step 10 of 40); test accuracy n/a (the test set is empty)"
+    assert final_line("max_time", 32, 1, 0, 32, 0.5).startswith("stopped at --max-time: step 32, 1 epoch done;")

@@ -6,7 +6,9 @@ Usage::
 
 Each rank writes ``DIR/pid-R`` when it starts and ``DIR/exiting-R`` once
 ``ringtrain.cli.main`` has returned, then sleeps SECONDS before exiting with
-main's status: a window in which a test sends a second signal.
+main's status: a window in which a test sends a second signal. With
+``SLOW_EXIT_RANKS=1`` (a comma-separated list) only those ranks linger; the
+others go straight on to exit, and wait in MPI's finalisation for them.
 """
 
 import os
@@ -37,5 +39,7 @@ if __name__ == "__main__":
     mark(directory, f"pid-{rank}")
     status = main(["train", *flags])
     mark(directory, f"exiting-{rank}")
-    time.sleep(seconds)
+    lingering = os.environ.get("SLOW_EXIT_RANKS")
+    if lingering is None or str(rank) in lingering.split(","):
+        time.sleep(seconds)
     sys.exit(status)

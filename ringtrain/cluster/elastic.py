@@ -1,0 +1,395 @@
+"""Elastic launch: the MPI job restarted on the hosts there are, between ``--min-np`` and ``--max-np`` ranks.
+
+MPI cannot shrink or grow a running job's world, so ``ringtrain launch``
+does what torchrun does rather than what horovodrun does: when a rank fails,
+or the discovery script's hosts change, the whole job is started again at
+the size the hosts allow, and the program resumes from its last commit
+(``hvd.elastic.run``) or checkpoint (``ringtrain train``)::
+
+    ringtrain launch -np 4 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh -- python train.py
+
+The launcher's side of the contract with the job (the job's side is
+:mod:`ringtrain.torch.elastic`):
+
+* ``RINGTRAIN_ELASTIC_DIR``: a directory on the launcher's file system (it
+  must be shared with the host of rank 0) where rank 0 writes its commits,
+  under ``commits/``, and the launcher its host notices (``hosts.json``);
+* ``RINGTRAIN_ELASTIC_JOB``: which start of the job this is (0 first);
+* ``RINGTRAIN_ELASTIC_GENERATION``: the host notices' generation the job
+  started at. A higher one in ``hosts.json`` asks the job to stop at its next
+  commit with :data:`RESTART_STATUS`, to be started again on the new hosts.
+  A job that has not said it listens (``listening.json``, written by
+  ``hvd.elastic.run``) is sent SIGUSR1 instead, which ``ringtrain train``
+  takes as "checkpoint and stop".
+
+The pure decisions are :mod:`ringtrain.cluster.discovery`'s; this module
+runs them. Imports only the standard library and its neighbours.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+from ..errors import UsageError
+from ..io.rundir import write_json_atomic
+from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
+                        host_of_rank, run_discovery)
+from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
+from .jobs import (NO_RESTART_STATUSES, Forwarder, first_failed, not_restarted_line, read_exit_records,
+                   report_failure, report_success, run_job)
+from .launch import format_command, make_logdir
+
+__all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
+           "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",
+           "launch_elastic"]
+
+ENV_DIR = "RINGTRAIN_ELASTIC_DIR"
+ENV_JOB = "RINGTRAIN_ELASTIC_JOB"
+ENV_GENERATION = "RINGTRAIN_ELASTIC_GENERATION"
+# sysexits' EX_TEMPFAIL ("try again later"): the job stopped so that it can
+# be started again on other hosts; nothing failed.
+RESTART_STATUS = 75
+COMMITS = "commits"
+_NOTICE = "hosts.json"
+_LISTENING = "listening.json"
+# How long the launcher waits for --min-np slots before it gives up. The
+# job's processes are gone while it waits and its commit is on disk, so
+# giving up loses nothing: launching again resumes.
+ELASTIC_TIMEOUT = 30.0
+# How often the discovery script runs (horovodrun's period).
+POLL_SECONDS = 1.0
+# The host of a launch given no hosts at all.
+LOCAL = "localhost"
+
+
+# --- the contract with the job ------------------------------------------------
+
+def elastic_env(directory, job, generation):
+    """The variables that tell a job where its commits go and which start this is (pure)."""
+    return {ENV_DIR: directory, ENV_JOB: str(job), ENV_GENERATION: str(generation)}
+
+
+def under_elastic_launch(env):
+    """True when ``env`` is a job's under a launcher that restarts it, possibly at another size (pure)."""
+    return env.get(ENV_JOB, "").isdigit()
+
+
+def write_notice(directory, generation, changes):
+    """Tell the job the hosts changed: its next commit stops it for a restart."""
+    write_json_atomic(os.path.join(directory, _NOTICE), {"generation": generation, "changes": sorted(changes)})
+
+
+def read_notice(directory):
+    """``(generation, changes)`` of the latest host notice, or None when there is none (or it is unreadable)."""
+    return _read_json(os.path.join(directory, _NOTICE), lambda d: (int(d["generation"]), list(d["changes"])))
+
+
+def write_listening(directory, job):
+    """Say that start ``job`` of the job watches the host notices (rank 0 of ``hvd.elastic.run`` calls it)."""
+    write_json_atomic(os.path.join(directory, _LISTENING), {"job": int(job)})
+
+
+def is_listening(directory, job):
+    """True when start ``job`` of the job said it watches the host notices."""
+    return _read_json(os.path.join(directory, _LISTENING), lambda d: int(d["job"]) == job) is True
+
+
+def _read_json(path, take):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return take(json.load(fh))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --- where commits live ---------------------------------------------------------
+
+def commit_directory(logdir, env):
+    """``(directory, owned)``: the user's ``RINGTRAIN_ELASTIC_DIR``, else ``LOGDIR/elastic``, else a new one.
+
+    ``owned`` directories are the launcher's to remove once the job succeeds.
+    """
+    if env.get(ENV_DIR):
+        return os.path.abspath(env[ENV_DIR]), False
+    if logdir is not None:
+        return os.path.join(logdir, "elastic"), True
+    return tempfile.mkdtemp(prefix="ringtrain-elastic-"), True
+
+
+def _has_commit(directory):
+    with contextlib.suppress(OSError):
+        return any(name.startswith("ckpt-") for name in os.listdir(os.path.join(directory, COMMITS)))
+    return False
+
+
+def _clear_records(directory):
+    """Remove the exit records of an earlier start: rank numbers change with the size."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith("rank-") and name.endswith(".exit"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+
+
+# --- the launcher -------------------------------------------------------------
+
+class _Launcher:
+    """One elastic launch: its hosts, its starts and what it prints."""
+
+    def __init__(self, plan, numbers, discovery, fixed, slots_per_host, timeout, reset_limit, cooldown, delay,
+                 directory, stderr):
+        self.plan, self.delay, self.stderr = plan, delay, stderr
+        self.np, (self.min_np, self.max_np) = plan.np, numbers
+        self.discovery, self.fixed, self.slots_per_host = discovery, fixed, slots_per_host
+        self.timeout, self.reset_limit = timeout, reset_limit
+        self.directory = directory
+        self.records = plan.logdir
+        self.book = HostBook(cooldown=cooldown)
+        self._warned = None
+        self.told_kept = False
+
+    def say(self, line):
+        print(f"ringtrain launch: {line}", file=self.stderr, flush=True)
+
+    def discover(self, first=False):
+        """Update the host book from discovery; the first failure is the user's to fix, later ones are warned of."""
+        if self.discovery is None:
+            fixed = self.fixed or (Host(LOCAL, self.max_np or self.np),)
+            return self.book.update({h.name: h.slots for h in fixed})
+        try:
+            found = run_discovery(self.discovery, self.slots_per_host or 1)
+        except DiscoveryError as exc:
+            if first:
+                raise UsageError(f"{exc}; fix the script, which must print 'host:slots' lines") from None
+            if str(exc) != self._warned:
+                self._warned = str(exc)
+                self.say(f"warning: {exc}; keeping the hosts it gave before")
+            return set()
+        self._warned = None
+        return self.book.update(found)
+
+    def wait_for_slots(self, need, forwarder):
+        """The hosts to start on once they give ``need`` slots; None when stopped or out of time."""
+        deadline = time.monotonic() + self.timeout
+        told = False
+        while True:
+            hosts = self.book.available()
+            if sum(h.slots for h in hosts) >= need:
+                return hosts
+            if forwarder.stopped is not None or time.monotonic() >= deadline:
+                return None
+            if not told:
+                self.say(f"waiting up to {self.timeout:g}s (--elastic-timeout) for {need} slot(s); "
+                         f"the hosts give {self.describe_hosts()}")
+                told = True
+            _sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())), forwarder)
+            self.discover()
+
+    def describe_hosts(self):
+        """``3 slot(s) (h1:2,h2:1; left out after repeated failures: h3)``."""
+        hosts = self.book.available()
+        text = f"{sum(h.slots for h in hosts)} slot(s) ({format_hosts(hosts)}"
+        out = self.book.left_out()
+        if out:
+            text += f"; left out after repeated failures: {', '.join(out)}"
+        return text + ")"
+
+    def blame(self, assignment, failed):
+        """Count a failure against the failing rank's host, or every host when none is known."""
+        names = [host_of_rank(assignment, failed)] if failed is not None else [h.name for h in assignment]
+        for name in names:
+            if name is not None and self.book.record_failure(name):
+                self.say(f"host {name} is left out after failing {self.book.exclude_after} times")
+
+    def args(self, assignment, job):
+        """The MPI command line and extra environment of start ``job`` on ``assignment``."""
+        size = sum(h.slots for h in assignment)
+        local = self.discovery is None and self.fixed is None  # no hosts given: mpirun's own placement
+        return self.plan.start(size, None if local else assignment, job, None if self.plan.logdir else self.records)
+
+
+class _Watch:
+    """While a start runs: poll discovery, and ask the job to stop when the hosts it should use change."""
+
+    def __init__(self, launcher, assignment, forwarder, job, generation):
+        self.launcher, self.target, self.forwarder = launcher, assignment, forwarder
+        self.job, self.generation = job, generation
+        self.asked = False
+        self.next_poll = time.monotonic() + POLL_SECONDS
+
+    def tick(self):
+        if time.monotonic() < self.next_poll:
+            return
+        self.next_poll = time.monotonic() + POLL_SECONDS
+        launcher = self.launcher
+        changes = launcher.discover()
+        wanted = assign(launcher.book.available(), launcher.max_np)
+        if wanted == self.target or sum(h.slots for h in wanted) < launcher.min_np:
+            return
+        self.target, self.generation, self.asked = wanted, self.generation + 1, True
+        write_notice(launcher.directory, self.generation, changes or {"added", "removed"})
+        how = "at its next commit"
+        if not is_listening(launcher.directory, self.job):
+            self.forwarder.send(signal.SIGUSR1)
+            how = "now (SIGUSR1: checkpoint and stop)"
+        launcher.say(f"the hosts changed ({format_hosts(wanted)}); asking the job to stop {how} and "
+                     f"restarting it at {sum(h.slots for h in wanted)} rank(s)")
+
+
+def _sleep(seconds, forwarder):
+    end = time.monotonic() + seconds
+    while forwarder.stopped is None and time.monotonic() < end:
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+
+
+def _run(launcher, np, env):
+    """The starts, until one succeeds, the user stops it, or too few hosts are left."""
+    job, generation, resets, need, status = 0, 0, 0, np, 1
+    with Forwarder() as forwarder:
+        while True:
+            hosts = launcher.wait_for_slots(need, forwarder)
+            if hosts is None:
+                if forwarder.stopped is not None:
+                    return status
+                flag = "-np" if job == 0 else "--min-np"
+                launcher.say(f"gave up: the hosts give {launcher.describe_hosts()}, fewer than {flag} "
+                             f"{need}, after waiting {launcher.timeout:g}s (--elastic-timeout){_kept(launcher)}")
+                return status if job else 1
+            assignment = assign(hosts, launcher.max_np)
+            args, extra = launcher.args(assignment, job)
+            _clear_records(launcher.records)
+            launcher.say(f"{'starting' if job == 0 else 'restarting'} {sum(h.slots for h in assignment)} rank(s) "
+                         f"on {format_hosts(assignment)}: {_format(args, extra)}")
+            forwarder.asked_to_checkpoint = False
+            watch = _Watch(launcher, assignment, forwarder, job, generation)
+            job_env = dict(env, **extra, **elastic_env(launcher.directory, job, generation))
+            status = run_job(args, job_env, forwarder, tick=watch.tick)
+            generation = watch.generation
+            if status == 0 or forwarder.stopped is not None:
+                return status
+            if forwarder.asked_to_checkpoint:
+                launcher.say(not_restarted_line(status).split(": ", 1)[1] + _kept(launcher))
+                return status
+            planned = watch.asked and status in (RESTART_STATUS, 128 + signal.SIGUSR1)
+            if not planned:
+                failed = report_failure(launcher.plan.logdir, launcher.stderr) if launcher.plan.logdir else \
+                    first_failed(read_exit_records(launcher.records))
+                if status in NO_RESTART_STATUSES:
+                    return status
+                launcher.blame(assignment, failed)
+                where = "" if failed is None else f" (rank {failed} on {host_of_rank(assignment, failed)} failed)"
+                launcher.say(f"the job exited with status {status}{where}")
+            resets += 1
+            if launcher.reset_limit is not None and resets > launcher.reset_limit:
+                launcher.say(f"gave up: the job needed restart {resets}, more than --reset-limit "
+                             f"{launcher.reset_limit}{_kept(launcher)}")
+                return status
+            need, job = launcher.min_np, job + 1
+            if not planned:
+                _sleep(launcher.delay, forwarder)
+
+
+def _kept(launcher):
+    """``; the last commit is kept in DIR ...`` when there is one (and remember it was said)."""
+    if not _has_commit(launcher.directory):
+        return ""
+    launcher.told_kept = True
+    return (f"; the last commit is kept in {launcher.directory}: launch again with "
+            f"{ENV_DIR}={launcher.directory} to resume from it")
+
+
+def _format(args, extra):
+    return format_command(args, extra)
+
+
+def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, slots_per_host, elastic_timeout,
+                   reset_limit, cooldown, restart_delay, check, dry_run, stdout, stderr, env=None):
+    """Run ``plan``'s command elastically; returns the last start's exit status.
+
+    Everything is checked before anything starts: the numbers, the hosts,
+    and the discovery script's first answer (a failing script is a usage
+    error). The commit directory the launcher made is removed once the job
+    succeeds, and kept (and named) when it gives up.
+
+    Args:
+        plan: the :class:`ringtrain.cluster.launch.Plan` of the command.
+        np: ranks of the first start (waited for up to ``elastic_timeout``).
+        host_source: ``(hostfile, host_list)``: fixed hosts instead of a script (both None: this host).
+        min_np, max_np: the sizes a restart may have (``max_np`` None: as many as there are slots).
+        discovery_script: a shell command that prints ``host:slots`` lines, or None.
+        slots_per_host: slots of a discovered host printed without ``:slots``.
+        elastic_timeout: seconds to wait for enough slots before giving up.
+        reset_limit: restarts allowed (None: no limit).
+        cooldown: ``(lower, upper)`` seconds a failing host stays out, or None (for good).
+        restart_delay: seconds before a restart after a failure.
+        check, dry_run: as for :func:`ringtrain.cluster.launch.launch`.
+    """
+    env = dict(os.environ if env is None else env)
+    numbers = check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, reset_limit, cooldown)
+    fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
+    if discovery_script is not None:
+        discovery_script = discovery_command(discovery_script)
+    launcher = _Launcher(plan, numbers, discovery_script, fixed, slots_per_host, elastic_timeout, reset_limit,
+                         cooldown, restart_delay, None, stderr)
+    launcher.discover(first=True)
+    if check:
+        _check_reachable(launcher.book.available(), stderr)
+    if dry_run:
+        launcher.records = plan.logdir or "ELASTIC_DIR"  # made at the real start
+        args, extra = launcher.args(assign(launcher.book.available(), numbers[1]), 0)
+        print(_format(args, extra), file=stdout)
+        return 0
+    if plan.logdir is not None:
+        make_logdir(plan.logdir)
+    launcher.directory, owned = commit_directory(plan.logdir, env)
+    launcher.records = plan.logdir or launcher.directory
+    try:
+        os.makedirs(launcher.directory, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the commit directory {launcher.directory} ({exc.strerror}); "
+                         f"give another with {ENV_DIR}=DIR") from None
+    if _has_commit(launcher.directory):
+        launcher.say(f"{launcher.directory} holds a commit of an earlier launch: the job resumes from it")
+    stdout.flush()
+    status = None
+    try:
+        status = _run(launcher, np, env)
+    finally:
+        # Kept when anything was committed and the job did not finish: it is the way back.
+        if owned and (status == 0 or not _has_commit(launcher.directory)):
+            shutil.rmtree(launcher.directory, ignore_errors=True)
+        elif status != 0 and not launcher.told_kept and _has_commit(launcher.directory):
+            launcher.say(_kept(launcher)[2:])
+    if status == 0 and plan.logdir is not None:
+        report_success(plan.logdir, stderr)
+    return status
+
+
+def _fixed_hosts(np, max_np, host_source, discovery_script, slots_per_host, oversubscribe):
+    """The hosts when there is no discovery script (this host when none are given); checks the flags go together."""
+    hostfile, host_list = host_source
+    if discovery_script is not None and (hostfile or host_list):
+        raise UsageError("give --host-discovery-script or --hostfile/-H, not both")
+    if slots_per_host is not None and discovery_script is None:
+        raise UsageError("--slots-per-host is for the lines of a --host-discovery-script that give no ':slots'")
+    if discovery_script is not None:
+        return None
+    if not (hostfile or host_list):
+        check_np(np, oversubscribe=oversubscribe, cpu_count=os.cpu_count())
+        return None
+    hosts = read_hostfile(hostfile) if hostfile else parse_host_list(host_list)
+    check_np(np, hosts, oversubscribe=oversubscribe)
+    return tuple(hosts)
+
+
+def _check_reachable(hosts, stderr):
+    """--check: one line per host MPI cannot reach, then a UsageError if there were any."""
+    problems = check_hosts(hosts)
+    for line in problems[:-1]:
+        print(f"ringtrain: error: {line}", file=stderr)
+    if problems:
+        raise UsageError(problems[-1])

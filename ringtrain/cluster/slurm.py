@@ -1,0 +1,186 @@
+"""What Slurm tells a job through its environment: its hosts, its step's tasks, its time left.
+
+ringtrain learns ranks from MPI, not from Slurm (:mod:`ringtrain.cluster.topology`);
+Slurm's variables serve three things MPI cannot say:
+
+* ``ringtrain launch`` inside an allocation takes its hosts and rank count
+  from ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE`` and ``SLURM_NTASKS``
+  (:func:`allocation_hosts`, :func:`allocation_tasks`);
+* ``srun`` that started N tasks MPI did not join is told apart from a batch
+  script, which has ``SLURM_NTASKS`` too but is one process (:func:`step_tasks`);
+* the trainer stops before the job's time limit (:func:`time_left`).
+
+Everything but :func:`time_left`'s ``squeue`` call is pure and tested without
+Slurm. Imports only the standard library and :mod:`ringtrain.cluster.hostfiles`.
+"""
+
+import re
+import subprocess
+import time
+
+from .hostfiles import Host
+
+__all__ = ["expand_hostlist", "expand_counts", "allocation_hosts", "allocation_tasks", "step_tasks",
+           "parse_time_left", "time_left", "SQUEUE_TIMEOUT"]
+
+# squeue asks slurmctld; a controller that does not answer must not hold up a start.
+SQUEUE_TIMEOUT = 10.0
+
+_RANGE = re.compile(r"([^\[,]*)\[([^\]]*)\]([^,\[]*)")
+
+
+def _split_top(text):
+    """Split at the commas outside brackets: ``a[1,2],b`` -> ``['a[1,2]', 'b']``."""
+    out, depth, word = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(word)
+            word = ""
+        else:
+            word += ch
+    return out + [word]
+
+
+def expand_hostlist(text):
+    """Slurm's compressed host list as names, in order (pure).
+
+    ``node[01-03,07],gpu5`` -> ``node01 node02 node03 node07 gpu5``; the
+    zero padding of a range's first number is kept. One bracket per name
+    (Slurm's own output for one-dimensional clusters).
+
+    Raises:
+        ValueError: text that is not a host list, quoted.
+    """
+    names = []
+    for word in _split_top(text.strip()):
+        if not word:
+            raise ValueError(f"host list {text!r}: empty name")
+        match = _RANGE.fullmatch(word)
+        if "[" not in word and "]" not in word:
+            names.append(word)
+            continue
+        if not match:
+            raise ValueError(f"host list {text!r}: expected 'name[1-3,5]', got {word!r}")
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise ValueError(f"host list {text!r}: expected numbers in {word!r}")
+            width = len(low)
+            for number in range(int(low), int(high or low) + 1):
+                names.append(f"{prefix}{number:0{width}d}{suffix}")
+    return names
+
+
+def expand_counts(text):
+    """Slurm's per-node counts (``SLURM_TASKS_PER_NODE``): ``2(x3),1`` -> ``[2, 2, 2, 1]`` (pure).
+
+    Raises:
+        ValueError: text that is not such a list, quoted.
+    """
+    counts = []
+    for word in text.strip().split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", word)
+        if not match:
+            raise ValueError(f"task counts {text!r}: expected 'N' or 'N(xK)', got {word!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def allocation_hosts(env):
+    """The allocation's hosts with the tasks each may run, or None outside an allocation (pure).
+
+    From ``SLURM_JOB_NODELIST`` and ``SLURM_TASKS_PER_NODE`` (an allocation
+    made without ``-n`` has no task counts: then ``SLURM_JOB_CPUS_PER_NODE``).
+
+    Raises:
+        ValueError: variables that do not fit together, naming them.
+    """
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not env.get("SLURM_JOB_ID") or not nodes:
+        return None
+    source = "SLURM_TASKS_PER_NODE" if env.get("SLURM_TASKS_PER_NODE") else "SLURM_JOB_CPUS_PER_NODE"
+    names, counts = expand_hostlist(nodes), expand_counts(env.get(source, ""))
+    if len(names) != len(counts) or not all(counts):
+        raise ValueError(f"SLURM_JOB_NODELIST={nodes} names {len(names)} node(s) and {source}="
+                         f"{env.get(source)} gives {len(counts)} count(s)")
+    return tuple(Host(name, count) for name, count in zip(names, counts))
+
+
+def allocation_tasks(env):
+    """The allocation's task count (``SLURM_NTASKS``, or ``SLURM_NPROCS``), or None (pure)."""
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def step_tasks(env):
+    """How many tasks ``srun`` started in this process's job step, or None outside a step (pure).
+
+    Only a task of a step has a step id: a batch script or an ``salloc``
+    shell has ``SLURM_NTASKS`` (the allocation's) but is one process, and
+    ``srun -n1`` inside a larger allocation is a step of one task.
+    ``SLURM_STEP_NUM_TASKS`` is the step's own count (``srun --preserve-env``
+    passes the allocation's ``SLURM_NTASKS`` on instead); the older
+    variables are read only without it.
+    """
+    if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        return None
+    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def parse_time_left(text):
+    """Seconds from squeue's time left (``%L``): ``1-02:03:04``, ``2:03:04``, ``3:04``; None if unlimited (pure).
+
+    Raises:
+        ValueError: text in no such form.
+    """
+    text = text.strip()
+    if text in ("UNLIMITED", "NOT_SET", "INVALID", "N/A", ""):
+        return None
+    days, _, clock = text.rpartition("-")
+    fields = clock.split(":")
+    if not (days == "" or days.isdigit()) or not 1 <= len(fields) <= 3 or not all(f.isdigit() for f in fields):
+        raise ValueError(f"squeue time left {text!r}: expected [days-][hours:]minutes:seconds")
+    seconds = 0
+    for field in fields:
+        seconds = seconds * 60 + int(field)
+    return seconds + 86400 * int(days or 0)
+
+
+def time_left(env, now=None, run=subprocess.run):
+    """Seconds until this job's time limit, or None (no Slurm job, no limit, or no answer).
+
+    ``SLURM_JOB_END_TIME`` (Slurm 23.02 and later: the end as a UNIX time)
+    when it is set; else ``squeue -j $SLURM_JOB_ID -o %L``, bounded by
+    :data:`SQUEUE_TIMEOUT`. Not collective: the trainer asks on rank 0 alone.
+
+    Returns:
+        ``(seconds, how)``: the time left and where it came from, or ``(None, why not)``.
+    """
+    now = time.time() if now is None else now
+    end = env.get("SLURM_JOB_END_TIME", "")
+    if end.isdigit():
+        return int(end) - now, "SLURM_JOB_END_TIME"
+    job = env.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        return None, "not in a Slurm job"
+    try:
+        out = run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"squeue did not answer ({exc})"
+    if out.returncode != 0:
+        return None, f"squeue failed: {out.stderr.strip()[:200]}"
+    try:
+        seconds = parse_time_left(out.stdout)
+    except ValueError as exc:
+        return None, str(exc)
+    return seconds, "squeue" if seconds is not None else "no time limit"

@@ -1,1 +1,0 @@
-"""``horovod.common``: only what Horovod's tests import."""

@@ -1,1 +1,0 @@
-"""``horovod.runner``: only what Horovod's tests import."""

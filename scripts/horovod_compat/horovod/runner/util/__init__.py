@@ -1,1 +1,0 @@
-"""``horovod.runner.util``: only what Horovod's tests import."""

@@ -1,0 +1,310 @@
+"""Elastic training's pure parts: discovery output, the host book, placement, the sampler's index maths, commits."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringtrain.cluster import elastic as E
+from ringtrain.cluster.launch import launch
+from ringtrain.commands.launch import add_arguments, elastic_settings
+from ringtrain.cluster.discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, cooldown_seconds,
+                                         discovery_command, host_of_rank, parse_discovery, run_discovery)
+from ringtrain.cluster.hostfiles import Host
+from ringtrain.errors import UsageError
+from ringtrain.torch.elastic.commits import CommitStore, decode, encode
+from ringtrain.torch.elastic.sampler import ElasticSampler, epoch_order, partition
+
+
+# --- what a discovery script prints -----------------------------------------------
+
+def test_discovery_lines_give_hosts_in_order_with_default_slots():
+    assert parse_discovery("h2:4\n\nh1\n 10.0.0.3:1 \n", default_slots=2) == {"h2": 4, "h1": 2, "10.0.0.3": 1}
+    assert list(parse_discovery("b:1\na:1\n")) == ["b", "a"]
+    assert parse_discovery("") == {}  # no host available yet is an answer, not an error
+
+
+@pytest.mark.parametrize("text, message", [
+    ("h1:2\nh1 slots=2\n", "line 2: expected 'host:slots' or 'host', got 'h1 slots=2'"),
+    ("h1:x\n", "line 1: expected 'host:slots' or 'host', got 'h1:x'"),
+    ("h1:0\n", "line 1: slots must be between 1 and 65536, got 'h1:0'"),
+    ("h1:1\nh1:2\n", "line 2: host h1 is listed twice"),
+    ("-np:2\n", "line 1: expected 'host:slots' or 'host', got '-np:2'"),
+    ("fe80::1:2\n", "line 1: 'fe80::1:2' is an IPv6 address, which MPI's host lists cannot carry"),
+])
+def test_a_bad_discovery_line_names_its_number(text, message):
+    with pytest.raises(DiscoveryError) as err:
+        parse_discovery(text, source="script")
+    assert str(err.value).startswith(f"script {message}")
+
+
+def test_a_failing_or_silent_script_says_why(tmp_path):
+    assert run_discovery("printf 'a:2\\nb\\n'", 3) == {"a": 2, "b": 3}
+    with pytest.raises(DiscoveryError, match="exited with status 3: no cloud"):
+        run_discovery("echo 'no cloud' >&2; exit 3")
+    with pytest.raises(DiscoveryError, match="did not finish within 0.5s"):
+        run_discovery("sleep 5", timeout=0.5)
+
+
+def test_a_bare_script_name_here_runs_as_horovods_documentation_gives_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "discover_hosts.sh").write_text("#!/bin/sh\necho h1:2\n")
+    with pytest.raises(UsageError, match="discover_hosts.sh: not executable; chmod \\+x discover_hosts.sh"):
+        discovery_command("discover_hosts.sh")
+    (tmp_path / "discover_hosts.sh").chmod(0o755)
+    assert discovery_command("discover_hosts.sh") == "./discover_hosts.sh"
+    assert run_discovery(discovery_command("discover_hosts.sh")) == {"h1": 2}
+    for command in ("echo h1:2", "/bin/true", "true", "missing.sh"):  # commands, paths and names left alone
+        assert discovery_command(command) == command
+
+
+# --- the host book: failures, exclusion, cool-down ----------------------------------
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_hosts_keep_the_order_they_first_appeared_in_and_changes_are_named():
+    book = HostBook()
+    assert book.update({"a": 2, "b": 2}) == {"added"}
+    assert book.update({"b": 2, "c": 1}) == {"added", "removed"}
+    assert book.update({"b": 1, "c": 1}) == {"removed"}
+    assert book.update({"c": 1, "b": 1, "a": 2}) == {"added"}
+    # a was first seen before b and c: it stays first, so rank 0 stays on the oldest host.
+    assert book.available() == [Host("a", 2), Host("b", 1), Host("c", 1)]
+    assert book.update({"c": 1, "b": 1, "a": 2}) == set()
+
+
+def test_a_host_is_left_out_after_repeated_failures_and_for_good_without_a_cooldown():
+    book = HostBook(exclude_after=3)
+    book.update({"a": 2, "b": 2})
+    assert [book.record_failure("b") for _ in range(3)] == [False, False, True]
+    assert book.available() == [Host("a", 2)] and book.left_out() == ["b"]
+    book.update({"a": 2, "b": 4})  # discovery listing it again does not bring it back
+    assert book.available() == [Host("a", 2)]
+
+
+def test_a_cooldown_brings_a_failing_host_back_later_and_longer_each_time():
+    clock = Clock()
+    book = HostBook(exclude_after=1, cooldown=(10, 100), clock=clock, draw=lambda: 0.5)
+    book.update({"a": 1})
+    assert book.record_failure("a") and book.available() == []
+    first = cooldown_seconds(1, (10, 100), 0.5)
+    assert first == 25.0  # Horovod's lower * 2**n + draw * lower
+    clock.now = first - 0.1
+    assert book.available() == []
+    clock.now = first
+    assert book.available() == [Host("a", 1)]
+    assert book.record_failure("a")
+    clock.now += cooldown_seconds(2, (10, 100), 0.5) - 0.1
+    assert book.available() == []
+    assert cooldown_seconds(10, (10, 100), 0.9) == 100  # never past the upper bound
+
+
+def test_ranks_fill_hosts_in_order_up_to_max_np_and_each_rank_knows_its_host():
+    hosts = [Host("a", 2), Host("b", 3), Host("c", 1)]
+    assert assign(hosts) == hosts
+    assert assign(hosts, 4) == [Host("a", 2), Host("b", 2)]
+    assert [host_of_rank(assign(hosts, 4), r) for r in range(5)] == ["a", "a", "b", "b", None]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2, 3, None), "-np 2 is below --min-np 3"),
+    ((4, 1, 3), "-np 4 is above --max-np 3"),
+    ((3, 2, 1), "-np 3 is above --max-np 1"),
+    ((1, 1, 0), "-np 1 is above --max-np 0"),
+    ((2, 0, None), "--min-np must be at least 1, got 0"),
+])
+def test_elastic_numbers_that_cannot_work_are_refused(args, message):
+    with pytest.raises(UsageError, match=message):
+        check_elastic_numbers(*args, None, 30.0, None, None)
+
+
+def test_elastic_defaults_are_horovods():
+    assert check_elastic_numbers(3, None, None, None, 30.0, None, None) == (3, None)
+    with pytest.raises(UsageError, match="--blacklist-cooldown-range 0 5"):
+        check_elastic_numbers(3, None, None, None, 30.0, None, (0, 5))
+
+
+def parsed(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*argv, "--", "true"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-np", "2", "--min-np", "1", "--slots-per-host", "2"], "--slots-per-host is for the lines of"),
+    (["-np", "2", "--min-np", "1", "-H", "a:2", "--host-discovery-script", "true"],
+     "give --host-discovery-script or --hostfile/-H, not both"),
+    (["-np", "2", "--host-discovery-script", "exit 4"], "host discovery script 'exit 4' exited with status 4"),
+    (["-np", "3", "--min-np", "1", "-H", "a:2"], "-np 3 needs 3 slots but the hosts give 2"),
+    (["-np", "2", "--min-np", "1", "-H", "fe80::1:2"], "-H entry 1: 'fe80::1:2' is an IPv6 address"),
+    (["-np", "2", "--min-np", "1", "--elastic-timeout", "-1"], "--elastic-timeout must be a number of seconds"),
+    (["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "5", "2"], "--blacklist-cooldown-range 5 2"),
+    (["--min-np", "1"], "the elastic flags need -np N"),
+])
+def test_elastic_launches_that_cannot_work_are_refused_before_anything_is_written(tmp_path, flags, message):
+    args = parsed(*flags, "-o", str(tmp_path / "logs"))
+    with pytest.raises(UsageError, match=message):
+        launch(args.np, ["true"], hostfile=args.hostfile, host_list=args.host_list, logdir=args.logdir,
+               elastic=elastic_settings(args))
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("flag", [["--slots-per-host", "2"], ["--reset-limit", "1"],
+                                  ["--blacklist-cooldown-range", "1", "2"]])
+def test_an_elastic_detail_without_an_elastic_flag_is_refused(flag):
+    with pytest.raises(UsageError, match=f"{flag[0]} is an elastic flag"):
+        elastic_settings(parsed("-np", "2", *flag))
+    assert elastic_settings(parsed("-np", "2")) is None
+
+
+def test_the_dry_run_shows_the_first_starts_command_from_the_discovered_hosts(capsys):
+    args = parsed("-np", "2", "--max-np", "3", "--host-discovery-script", "printf 'h1:2\\nh2:2\\n'")
+    assert launch(args.np, ["true"], dry_run=True, elastic=elastic_settings(args)) == 0
+    out = capsys.readouterr().out
+    assert "h1:2,h2:1" in out and "-np 3" in out and "--records-only" in out, out
+
+
+# --- the launcher's notices ----------------------------------------------------------
+
+def test_notices_and_the_listening_mark_round_trip(tmp_path):
+    assert E.read_notice(str(tmp_path)) is None
+    E.write_notice(str(tmp_path), 3, {"removed"})
+    assert E.read_notice(str(tmp_path)) == (3, ["removed"])
+    assert not E.is_listening(str(tmp_path), 2)
+    E.write_listening(str(tmp_path), 2)
+    assert E.is_listening(str(tmp_path), 2) and not E.is_listening(str(tmp_path), 3)
+    env = E.elastic_env("/d", 2, 5)
+    assert E.under_elastic_launch(env) and not E.under_elastic_launch({})
+    store = CommitStore.from_env(env)
+    assert (store.directory, store.job, store.generation) == ("/d", 2, 5)
+    assert CommitStore.from_env({}) is None
+
+
+# --- the sampler's index maths ----------------------------------------------------------
+
+def test_the_epoch_order_is_horovods():
+    order = list(range(10))
+    random.Random(3 + 2).shuffle(order)
+    assert epoch_order(10, 3, 2, True) == order and epoch_order(10, 3, 2, False) == list(range(10))
+
+
+def take_epoch(order, resets, batch):
+    """Train one epoch in lockstep through ``resets``: ``[(size, steps), ...]``, then the rest at the last size.
+
+    Returns every index taken, in the order the ranks took them, and the
+    size of the partition that reached the epoch's end (its padding is the
+    only repeat allowed).
+    """
+    taken, done, ended_at = [], 0, None
+    plan = list(resets)
+    while True:
+        size, steps = plan.pop(0) if plan else (resets[-1][0], None)
+        shares = [partition(order, done, size, r)[0] for r in range(size)]
+        count = len(shares[0]) if steps is None else min(len(shares[0]), steps * batch)
+        for first in range(0, count, batch):
+            for share in shares:
+                taken += share[first:min(first + batch, count)]
+        done += count * size
+        if ended_at is None and done >= len(order):
+            ended_at = size
+        if steps is None or count < steps * batch:
+            return taken, ended_at
+
+
+@settings(max_examples=150, deadline=None)
+@given(length=st.integers(1, 80), batch=st.integers(1, 5), seed=st.integers(0, 5),
+       resets=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 6)), min_size=1, max_size=4))
+def test_no_sample_is_skipped_or_taken_twice_across_resets_at_any_sizes(length, batch, seed, resets):
+    order = epoch_order(length, seed, 0, True)
+    taken, last = take_epoch(order, resets, batch)
+    # Every index, and beyond that only the final partition's padding (fewer than its size).
+    assert set(taken) == set(order)
+    assert len(taken) - length < last
+
+
+def test_the_taken_prefix_is_the_epoch_order_itself():
+    order = epoch_order(24, 1, 0, True)
+    taken, _ = take_epoch(order, [(2, 3), (3, 1), (1, 2)], batch=2)
+    blocks = []  # each lockstep step takes the next size*batch indices of the order, as a block
+    assert sorted(taken) == sorted(order)
+    position = 0
+    for size, steps in [(2, 3), (3, 1), (1, 2)]:
+        for _ in range(steps):
+            blocks.append((taken[position:position + size * 2], order[position:position + size * 2]))
+            position += size * 2
+    assert all(sorted(a) == sorted(b) for a, b in blocks)
+
+
+def test_padding_repeats_the_start_of_what_is_left():
+    assert partition([5, 6, 7], 0, 2, 0) == ([5, 7], 2) and partition([5, 6, 7], 0, 2, 1) == ([6, 5], 2)
+    assert partition([5], 0, 3, 2) == ([5], 1)  # one index left for three ranks: each gets it
+    assert partition([5, 6], 2, 3, 0) == ([], 0)
+
+
+def test_merging_adds_every_ranks_count_into_the_position():
+    state = {"epoch": 4, "processed_num": 10, "global_done": 6, "local_done": 4}
+    assert ElasticSampler.merged(state, [4, 4, 3]) == {"epoch": 4, "processed_num": 17, "global_done": 17,
+                                                       "local_done": 0}
+    assert ElasticSampler.merged({"epoch": 1, "processed_num": 8}, [0])["global_done"] == 8  # Horovod's form
+
+
+# --- commits ---------------------------------------------------------------------------
+
+class Box:
+    """A user's object holding tensors, as an ObjectState value may."""
+
+    def __init__(self, tensor, note):
+        self.tensor, self.note = tensor, note
+
+
+def test_a_snapshot_round_trips_every_dtype_and_tensors_inside_objects():
+    snapshot = {
+        "float": torch.randn(3, 2), "half": torch.randn(4).half(), "bf16": torch.randn(5).bfloat16(),
+        "bool": torch.tensor([True, False]), "long": torch.arange(6).reshape(2, 3), "scalar": torch.tensor(2.5),
+        "strided": torch.arange(12.0).reshape(3, 4).t(), "empty": torch.zeros(0, 3),
+        "param": torch.nn.Parameter(torch.ones(2)), "box": Box(torch.full((2,), 7.0), "kept"),
+        "plain": [1, "two", {"three": 3.0}],
+    }
+    arrays, meta = encode(snapshot)
+    assert meta["tensors"] == 10 and all(isinstance(a, np.ndarray) for a in arrays.values())
+    back = decode(arrays)
+    for name in ("float", "half", "bf16", "bool", "long", "scalar", "strided", "empty"):
+        assert back[name].dtype == snapshot[name].dtype and torch.equal(back[name], snapshot[name]), name
+    assert isinstance(back["param"], torch.nn.Parameter) and back["param"].requires_grad
+    assert torch.equal(back["box"].tensor, snapshot["box"].tensor) and back["box"].note == "kept"
+    assert back["plain"] == snapshot["plain"]
+
+
+def test_the_newest_whole_commit_is_found_and_a_damaged_one_falls_back(tmp_path):
+    store = CommitStore(str(tmp_path))
+    assert store.latest() is None
+    store.write(1, {"w": torch.ones(3), "step": 1}, size=2)
+    store.write(2, {"w": torch.full((3,), 2.0), "step": 2}, size=2)
+    store.write(3, {"w": torch.full((3,), 3.0), "step": 3}, size=1, finished=True)
+    assert sorted(p.name for p in (tmp_path / "commits").iterdir()) == ["ckpt-00000002.npz", "ckpt-00000003.npz"]
+    sequence, snapshot, meta = store.latest()
+    assert (sequence, snapshot["step"], meta["size"], meta["finished"]) == (3, 3, 1, True)
+    newest = tmp_path / "commits" / "ckpt-00000003.npz"
+    newest.write_bytes(newest.read_bytes()[:-100])  # cut short, as by a crash of the file system
+    with pytest.warns(UserWarning, match="skipping damaged"):
+        sequence, snapshot, _ = store.latest()
+    assert sequence == 2 and torch.equal(snapshot["w"], torch.full((3,), 2.0))
+
+
+def test_a_commit_that_cannot_be_written_says_where_in_one_line(tmp_path):
+    (tmp_path / "commits").write_text("a file where the commits directory should be")
+    with pytest.raises(UsageError) as err:
+        CommitStore(str(tmp_path)).write(1, {"step": 1}, size=1)
+    assert str(err.value).startswith(f"could not write checkpoint {tmp_path}/commits/ckpt-00000001.npz")
+    assert "\n" not in str(err.value)

@@ -1,0 +1,51 @@
+"""What the install promises: one version, torch pinned and kept out of [test], and CI with every extra."""
+
+import configparser
+import importlib.util
+import os
+import re
+
+import pytest
+
+import ringtrain
+from mpirun import ROOT
+
+
+def _extras():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"), encoding="utf-8")
+    return {name: value.split() for name, value in cfg["options.extras_require"].items()}
+
+
+def test_one_version_in_the_package_setup_cfg_and_the_changelog():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"), encoding="utf-8")
+    assert cfg["metadata"]["version"] == "attr: ringtrain.__version__"
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        newest = re.search(r"^## (\d+\.\d+\.\d+)", f.read(), re.M).group(1)
+    assert newest == ringtrain.__version__
+
+
+def test_torch_is_pinned_and_only_where_asked_for():
+    extras = _extras()
+    assert extras["torch"] == ["torch==2.13.0"]
+    assert not any(req.startswith("torch") for req in extras["test"]), "[test] must stay quick: no torch"
+    assert "mlxtend" in extras["test"] and "markdown-it-py" in extras["test"]
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI promises every extra (.ci/run installs them)")
+@pytest.mark.parametrize("module", ["torch", "mlxtend", "mkdocs", "mkdocstrings", "markdown_it", "matplotlib"])
+def test_ci_has_every_extra_so_no_test_skips_for_want_of_one(module):
+    assert importlib.util.find_spec(module) is not None, f"CI's install lacks {module}"
+
+
+def test_install_sizes_asks_pypi_alone(monkeypatch):
+    """scripts/install_sizes.py: no local index, find-links or constraint of this machine leaks into its pip."""
+    spec = importlib.util.spec_from_file_location("install_sizes", os.path.join(ROOT, "scripts", "install_sizes.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///opt/pypi/simple")
+    env = module._pip_env()
+    assert env["PIP_CONFIG_FILE"] == os.devnull and "PIP_FIND_LINKS" not in env and "PIP_EXTRA_INDEX_URL" not in env
+    assert module.PYPI == "https://pypi.org/simple" and module.size_of("/work/main") == 0
