@@ -40,6 +40,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from . import kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
 from .handles import Pending
@@ -487,11 +489,12 @@ class Channel:
         if entry is not None:
             timeline = self.engine.timeline
             try:
-                if timeline is None:
-                    result = self._local_result(key, v, entry)
-                else:
-                    with timeline.span(entry.label + " (local)", tid=1):
+                with torch.no_grad():
+                    if timeline is None:
                         result = self._local_result(key, v, entry)
+                    else:
+                        with timeline.span(entry.label + " (local)", tid=1):
+                            result = self._local_result(key, v, entry)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
                 self._complete(entry, error=_as_runtime_error(exc))
             else:
@@ -593,12 +596,15 @@ class Channel:
             return
         timeline = self.engine.timeline
         try:
-            if timeline is None:
-                results = kernels.run(entry.kind, self.data, group)
-            else:
-                name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-                with timeline.span(name, tid=1):
+            # Whatever thread runs it, an op writes its outputs as data, not as autograd ops: an in-place op on
+            # a parameter is allowed (under the caller's no_grad, which this thread may not share).
+            with torch.no_grad():
+                if timeline is None:
                     results = kernels.run(entry.kind, self.data, group)
+                else:
+                    name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+                    with timeline.span(name, tid=1):
+                        results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             for _, e in group:
                 self._complete(e, error=_as_runtime_error(exc))

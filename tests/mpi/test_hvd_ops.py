@@ -292,6 +292,18 @@ def test_a_dropped_handle_frees_its_name_once_its_op_is_done():
 
 
 @pytest.mark.mpi
+def test_a_collective_in_place_on_a_parameter_under_no_grad_runs_on_any_thread():
+    # Large enough to be a collective; synchronized late, so the engine's own thread may run it.
+    size = COMM.Get_size()
+    p = torch.nn.Parameter(torch.full((5000,), float(COMM.Get_rank())))
+    with torch.no_grad():
+        handle = hvd.allreduce_async_(p, name="param")  # an average: the sum is divided in place
+    time.sleep(0.05)
+    assert hvd.synchronize(handle) is p
+    np.testing.assert_array_equal(p.detach().numpy(), np.full(5000, sum(range(size)) / size))
+
+
+@pytest.mark.mpi
 def test_adasum_raises_not_implemented_on_every_rank():
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(4), op=hvd.Adasum)
