@@ -503,15 +503,8 @@ class Channel:
 
     def _local_result(self, key, v, entry):
         announced = self._board.announcements(key)
-        kind = v.meta[0][1]
-        if kind == "barrier":
-            return None
-        if kind == "broadcast":
-            return kernels.take_result(entry.args[1], announced[self.ranks[dict(v.meta)["root"]]][2])
-        inputs = [kernels.zeros_like_meta(v.meta) if r in v.joined else announced[r][2] for r in self.ranks]
-        return kernels.reduce_locally(v.meta, inputs, entry.args[1])
-
-    # The collectives, in the leader's order.
+        return kernels.run_local(v.meta, [None if r in v.joined else announced[r][2] for r in self.ranks],
+                                 entry.args[1] if len(entry.args) > 1 else None)
 
     def _flush_orders(self):
         orders, self._to_order = self._to_order, []
@@ -588,9 +581,9 @@ class Channel:
     def _run(self, group):
         decision, entry = group[0]
         if _grouped(decision.meta):
-            collected = _Collected(entry, self._complete)
+            results = kernels.GroupResults(len(entry.args), lambda values, error: self._complete(entry, values, error))
             parts = [(Decision(f"{entry.key}#{i}", meta, infos),
-                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, meta, None, args, _Part(collected, i)))
+                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, meta, None, args, results.part(i)))
                      for i, (meta, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
             self._run_parts(parts, entry.kind)
             return
@@ -695,36 +688,6 @@ class Channel:
             late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
             self.engine.stall_shutdown(f"process set {self.set_id} stalled: rank(s) {late} kept an op waiting "
                                        f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
-
-
-class _Collected:
-    """A grouped op's results: its entry completes when every part has (with the first error, if any)."""
-
-    def __init__(self, entry, complete):
-        self.entry, self.complete = entry, complete
-        self.results = [None] * len(entry.args)
-        self.left = len(entry.args)
-        self.error = None
-
-    def done(self, i, result=None, error=None):
-        self.results[i] = result
-        self.error = self.error or error
-        self.left -= 1
-        if self.left == 0:
-            self.complete(self.entry, self.results, self.error)
-
-
-class _Part:
-    """The completion of one part of a grouped op (what :class:`~ringtrain.torch.handles.Pending` is to an op)."""
-
-    def __init__(self, collected, i):
-        self.collected, self.i = collected, i
-
-    def succeed(self, result):
-        self.collected.done(self.i, result)
-
-    def fail(self, error):
-        self.collected.done(self.i, error=error)
 
 
 def _grouped(meta):

@@ -31,7 +31,7 @@ from .interop import as_array
 
 __all__ = ["SUPPORTED", "RING_DTYPES", "FUSABLE", "check_tensor", "dtype_name", "host_view", "byte_view",
            "reduces_as", "fuse_key", "nbytes", "run", "scatter_rows", "zeros_like_meta", "stand_in_args", "split_parts",
-           "reduce_locally", "take_result", "raw_bytes", "host_array", "LOCAL_BYTES"]
+           "reduce_locally", "take_result", "raw_bytes", "host_array", "run_local", "GroupResults", "LOCAL_BYTES"]
 
 # What Horovod's torch ops accept.
 SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -246,6 +246,52 @@ def raw_bytes(tensor):
     if _fast(tensor):
         return host_array(tensor).tobytes()
     return bytes(byte_view(tensor.detach().contiguous()))
+
+
+def run_local(meta, data, out):
+    """A small op computed on this rank from the data every member sent with its announcement, into ``out``.
+
+    ``data`` holds each member's (in member order; None for a rank that
+    joined, which adds zeros): an allreduce's inputs, a broadcast's from its
+    root; a barrier has none.
+    """
+    kind = meta[0][1]
+    if kind == "barrier":
+        return None
+    if kind == "broadcast":
+        return take_result(out, data[dict(meta)["root"]])
+    return reduce_locally(meta, [zeros_like_meta(meta) if d is None else d for d in data], out)
+
+
+class GroupResults:
+    """A grouped op's results: ``done(values, error)`` runs once every part has completed (with the first error)."""
+
+    def __init__(self, parts, done):
+        self.values, self.left, self.error, self._done = [None] * parts, parts, None, done
+
+    def part(self, i):
+        """The completion of part ``i`` (what a :class:`~ringtrain.torch.handles.Pending` is to an op)."""
+        return _Part(self, i)
+
+    def _finish(self, i, value, error):
+        self.values[i] = value
+        self.error = self.error or error
+        self.left -= 1
+        if self.left == 0:
+            self._done(self.values, self.error)
+
+
+class _Part:
+    __slots__ = ("group", "i")
+
+    def __init__(self, group, i):
+        self.group, self.i = group, i
+
+    def succeed(self, value):
+        self.group._finish(self.i, value, None)
+
+    def fail(self, error):
+        self.group._finish(self.i, None, error)
 
 
 def run(kind, comm, group):
