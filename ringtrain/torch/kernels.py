@@ -439,10 +439,13 @@ def _reducescatter(comm, group):
     op = "sum" if average else fields["op"]
     if dtype in RING_DTYPES and op in _COMBINE:
         width = max(counts)  # every rank's block padded to the longest: chunk r is rank r's rows
-        send = torch.zeros(size * width, dtype=dtype)
-        for r, bs in enumerate(blocks):
-            if bs:
-                torch.cat([b.to(dtype) for b in bs], out=send[r * width:r * width + counts[r]])
+        if len(inputs) == 1 and min(counts) == width:  # rows that split evenly are laid out so already
+            send = inputs[0].reshape(-1).to(dtype, copy=True)
+        else:
+            send = torch.zeros(size * width, dtype=dtype)
+            for r, bs in enumerate(blocks):
+                if bs:
+                    torch.cat([b.to(dtype) for b in bs], out=send[r * width:r * width + counts[r]])
         scale_(send, fields["prescale"], size if average and half else 1)
         array = host_view(send)
         state_of(comm).transport_for("auto", array.nbytes).reduce_scatter(array, _COMBINE[op])

@@ -149,9 +149,9 @@ def test_alltoall_with_uneven_splits(dtype):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int64, torch.float16, torch.float32], ids=str)
-def test_reducescatter_with_uneven_rows(dtype):
+def test_reducescatter_with_even_and_uneven_rows(dtype):
     rank, size = COMM.Get_rank(), COMM.Get_size()
-    for rows in (1, 2 * size + 1):
+    for rows in (1, 2 * size, 2 * size + 1):
         tensor, values = _data((rows, 2), dtype, seed=rank + rows)
         start, count = scatter_rows(rows, size)[rank]
         total = _everyone(values).sum(0)
