@@ -488,13 +488,12 @@ class Channel:
         entry = self._mine.pop(key, None)
         if entry is not None:
             timeline = self.engine.timeline
-            try:
-                with torch.no_grad():
-                    if timeline is None:
+            try:  # (kernels write a parameter's data under no_grad where they use torch; NumPy needs none)
+                if timeline is None:
+                    result = self._local_result(key, v, entry)
+                else:
+                    with timeline.span(entry.label + " (local)", tid=1):
                         result = self._local_result(key, v, entry)
-                    else:
-                        with timeline.span(entry.label + " (local)", tid=1):
-                            result = self._local_result(key, v, entry)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
                 self._complete(entry, error=_as_runtime_error(exc))
             else:
