@@ -3,6 +3,8 @@
     python scripts/bench_torch.py --suite horovod --horovod-python HVD_VENV/bin/python
                                                    # ringtrain.torch, DDP-gloo, Horovod at 2 ranks: MLP, CNN,
                                                    # ResNet, then allreduce_async_+synchronize at 4 KiB and 4 MiB
+    python scripts/bench_torch.py --suite small-ops  # a 4 KiB op through ringtrain.torch's engine against a
+                                                   # direct ringtrain.allreduce_; reducescatter against allreduce
     python scripts/bench_torch.py --model cnn      # the CNN, every contestant at 1 and 2 ranks, 3 repeats
     python scripts/bench_torch.py                  # the MLP
     python scripts/bench_torch.py --repeats 5 --ranks 1,2 --only ddp-gloo,ringtrain-adapter
@@ -318,6 +320,88 @@ def latency_worker(contestant, repeats):
         print("RESULT " + json.dumps(result), flush=True)
 
 
+SMALL_BYTES = 4 << 10          # the small op of the small-ops suite
+SCATTER_BYTES = 4 << 20        # the size reducescatter is compared with allreduce at
+SMALL_CALLS = 200              # calls per timed block of a small op
+
+
+def small_ops_worker(rounds):
+    """Interleaved blocks of small ops, and reducescatter against allreduce (rank 0 prints medians per call).
+
+    Each round times one block of each contestant in turn, so background load
+    falls on all of them alike; a block's time is the slower rank's (the
+    ranks pass a barrier at both ends).
+    """
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    import ringtrain
+    import ringtrain.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    comm = MPI.COMM_WORLD
+    tensor = torch.ones(SMALL_BYTES // 4)
+    array = np.ones(SMALL_BYTES // 4, np.float32)
+    big = torch.ones(SCATTER_BYTES // 4)
+    big_in_place = torch.ones(SCATTER_BYTES // 4)
+    small = {
+        "ringtrain.allreduce_": lambda: ringtrain.allreduce_(array, op="mean", comm=comm),
+        "hvd.allreduce_async_+synchronize": lambda: hvd.synchronize(hvd.allreduce_async_(tensor, name="async")),
+        "hvd.allreduce_": lambda: hvd.allreduce_(tensor, name="blocking"),
+    }
+    large = {
+        "hvd.allreduce (4 MiB)": lambda: hvd.allreduce(big, name="big"),
+        "hvd.allreduce_ (4 MiB, in place)": lambda: hvd.allreduce_(big_in_place, name="big_"),
+        "hvd.reducescatter (4 MiB)": lambda: hvd.reducescatter(big, name="scatter"),
+    }
+
+    def block(fn, calls):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        comm.Barrier()
+        return (time.perf_counter() - start) / calls
+
+    for fn in list(small.values()) + list(large.values()):  # warm-up: buffers, plans, threads
+        block(fn, 20)
+    times = {name: [] for name in list(small) + list(large)}
+    for _ in range(rounds):
+        for name, fn in small.items():
+            times[name].append(block(fn, SMALL_CALLS))
+        for name, fn in large.items():
+            times[name].append(block(fn, 10))
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps({name: statistics.median(t) for name, t in times.items()}), flush=True)
+
+
+def small_ops_suite(args):
+    """The cost of one small op through ringtrain.torch's engine against a direct ringtrain.allreduce_, at 2 ranks."""
+    from ringtrain.cluster.launch import mpirun_command
+
+    print(f"small ops at 2 ranks, float32, medians per call of {args.repeats} launches x {args.blocks} interleaved "
+          f"blocks; {_uptime()} (before)")
+    runs = []
+    for _ in range(args.repeats):
+        command = [sys.executable, os.path.abspath(__file__), "--small-ops-worker", "--blocks", str(args.blocks)]
+        done = subprocess.run(mpirun_command(2, command), env=_env(), capture_output=True, text=True, timeout=900)
+        line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if done.returncode != 0 or line is None:
+            sys.exit(f"bench_torch: the small-ops worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        runs.append(json.loads(line[len("RESULT "):]))
+    medians = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    direct = medians["ringtrain.allreduce_"]
+    print(f"{'op':<36} {'per call':>10} {'ratio':>8}")
+    for name, seconds in medians.items():
+        against = direct if "4 MiB" not in name else medians["hvd.allreduce (4 MiB)"]
+        print(f"{name:<36} {seconds * 1e6:>8.1f}us {seconds / against:>7.2f}x")
+    print(f"(4 KiB ops against ringtrain.allreduce_ of the same bytes; the 4 MiB ops against hvd.allreduce of the "
+          f"same tensor into a new one, as reducescatter's result is)\n{_uptime()} (after)")
+    return 0
+
+
 # -- the driver ----------------------------------------------------------------
 
 def _python(contestant, horovod_python):
@@ -458,13 +542,20 @@ def main(argv=None):
     parser.add_argument("--ranks", default="1,2", help="rank counts (default 1,2)")
     parser.add_argument("--model", choices=MODELS, default="mlp", help="the network (default mlp)")
     parser.add_argument("--only", default=",".join(CONTESTANTS), help="comma-separated contestants")
-    parser.add_argument("--suite", choices=["horovod"], help="horovod: ringtrain.torch, DDP-gloo and Horovod at "
-                        "2 ranks on every model, and allreduce latency")
+    parser.add_argument("--suite", choices=["horovod", "small-ops"], help="horovod: ringtrain.torch, DDP-gloo and "
+                        "Horovod at 2 ranks on every model, and allreduce latency; small-ops: a 4 KiB op through "
+                        "ringtrain.torch against a direct ringtrain.allreduce_, and reducescatter against allreduce")
     parser.add_argument("--horovod-python", help="the interpreter of a virtual environment with Horovod installed")
     parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     parser.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
     parser.add_argument("--latency-worker", choices=sorted(HOROVOD_STYLE), help=argparse.SUPPRESS)
+    parser.add_argument("--small-ops-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.small_ops_worker:
+        small_ops_worker(args.blocks)
+        return 0
+    if args.suite == "small-ops":
+        return small_ops_suite(args)
     if args.worker:
         worker(args.worker, args.model, args.blocks)
         return 0

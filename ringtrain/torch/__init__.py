@@ -15,17 +15,16 @@ from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_buil
                       gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                       mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
 
-# Horovod's collectives: async ops on a background thread, matched across ranks by name.
+# Horovod's collectives: matched across each process set's ranks by name (the contract: engine.py).
 from .autograd import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_, grouped_allgather,
                        grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter,
                        sparse_allreduce_async)
 from .handles import poll, synchronize
 from .ops_async import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, barrier,
                         broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
-                        grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async)
-from .process_set_ops import add_process_set, remove_process_set
-from .process_sets import ProcessSet, global_process_set
-from .timeline import start_timeline, stop_timeline
+                        grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async,
+                        start_timeline, stop_timeline)
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 # Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters

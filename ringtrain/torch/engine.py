@@ -1,275 +1,315 @@
-"""The background thread every collective of the Horovod API runs on.
+"""The engine behind Horovod's collectives: one per :func:`~ringtrain.torch.runtime.init`, and its failure model.
 
-Callers submit :class:`Entry` objects and get a handle at once; the thread
-runs rounds. In each round it announces the entries submitted since the
-last one, gathers every rank's announcements (:meth:`Engine._gather`),
-merges them into the same :class:`~ringtrain.torch.negotiation.Table` as
-every other rank, and runs the ops every member has now announced, in the
-same order on every rank (:mod:`ringtrain.torch.kernels`), small
-allreduces fused into one buffer. Ranks may therefore submit named ops in
-different orders, and ranks that disagree on an op fail it on every rank
-instead of hanging.
+The contract.
 
-This thread is the only caller of MPI for these ops, over its own
-duplicate of the runtime's communicator: with ``MPI_THREAD_SERIALIZED``
-that is what MPI allows, and with ``MPI_THREAD_MULTIPLE`` the user's own
-MPI calls on the original communicator cannot meet its messages.
+* **Collective calls.** Every op (``allreduce``, ``allgather``,
+  ``broadcast``, ``alltoall``, ``reducescatter``, ``barrier``, their
+  async and grouped forms) is collective over its process set: every
+  member must submit an op of the same name (unnamed ops are named
+  ``noname.<n>`` by a counter per process set and kind, so ranks making the
+  same unnamed calls in the same order match). ``join`` is collective over
+  every rank; so are ``init``, ``shutdown``, ``add_process_set``,
+  ``remove_process_set`` and ``stop_timeline``, in the same order everywhere.
+* **Ordering.** Within a process set, ranks may submit named ops in any
+  order. Each member tells every other member what it submits
+  (:mod:`ringtrain.torch.channel`); once a member has heard an op from every
+  member it knows, as they all do, whether it fails (they disagree), is
+  computed on the spot (a small CPU allreduce, broadcast or barrier: its
+  data came with the announcements), or is a collective, which every member
+  runs in the order the set's leader (its lowest rank) sends. Process sets
+  do not wait on each other: each has a channel with communicators of its
+  own, so a set's ops complete as soon as its members have submitted them,
+  whatever ranks outside it do (sleep, compute, or wait in another set's op).
+* **Threading.** ``synchronize`` (and every blocking op) runs its process
+  set's work on the caller's thread when no other thread is; a channel's
+  own thread runs ops nobody has come for within a cycle
+  (``HOROVOD_CYCLE_TIME``, default 1 ms), and sleeps while the set is idle.
+  One watch thread per engine wakes four times a second. MPI must grant
+  ``MPI_THREAD_MULTIPLE`` (mpi4py's default): several threads call it, each
+  on communicators of its own.
+* **Disagreement.** Ranks that submit one name with different kinds,
+  process sets, dtypes, shapes, ops, factors (NaN on every rank agrees),
+  roots, trailing dimensions or grouped lengths all get a
+  :class:`CollectiveMismatchError` (a ``HorovodInternalError``). A rank
+  that refuses an op on its own arguments (bad splits, an unsupported
+  tensor) raises ``ValueError``, and its peers get an error naming it.
+  A name is in flight from submit until its op completes (synchronized or
+  not): submitting it again meanwhile raises ``ValueError`` on that rank.
+
+What fails how.
+
+* **A rank that raises** (an uncaught exception, Ctrl-C): its traceback is
+  printed, every other rank's pending and later ops fail with a
+  ``HorovodInternalError`` naming the rank, the error and the op, and after
+  :data:`GRACE_S` the job is ended with ``MPI_Abort``. A rank killed by a
+  signal is ended by ``mpirun``, which ends the job.
+* **A rank that shuts down** (``hvd.shutdown()``, or the end of its
+  script, ``sys.exit`` included): as in Horovod, every other rank's ops
+  still pending and later ones fail ("rank R has been shut down"); ops
+  this rank left pending fail on it. ``shutdown`` never waits for another
+  rank (``MPI_Finalize`` waits for the ranks still running, as MPI does).
+* **A stall** (some members never submit an op): every
+  ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) the set's leader prints
+  Horovod's warning naming the op and the missing ranks;
+  ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default off) then shuts the
+  engine down on every rank, failing the waiting ops;
+  ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
+* **ringtrain's bound** (``ringtrain.comm.set_timeout``,
+  ``RINGTRAIN_TIMEOUT``; off by default): an op of this rank that has not
+  finished within it fails, the rank prints one line naming the op and the
+  ranks that have not submitted it, and the job is ended with ``MPI_Abort``.
 """
 
-import contextlib
 import os
-import pickle
+import sys
 import threading
+import time
 
-import numpy as np
+from ..comm.guard import HINT, get_timeout
+from ..errors import UsageError
+from ..failure import describe
+from .channel import PROBE_S, TICK_S, Channel, Entry
+from .errors import HorovodInternalError
+from .handles import Pending
+from .negotiation import Names, op_key
 
-from ..comm import allreduce_, release
-from . import handles, kernels
-from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
-from .negotiation import JOIN, SHUTDOWN, Table
+__all__ = ["Engine", "Entry", "stall_times", "GRACE_S"]
 
-__all__ = ["Entry", "Engine", "FUSION_BYTES"]
-
-# Horovod's default fusion buffer (HOROVOD_FUSION_THRESHOLD); the same variable sets it here.
-FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
-# While ops wait on a late rank, empty rounds run at most this often: a round
-# is a small collective, and a tight loop of them would take a core from the
-# training it waits on (Horovod's cycle time, HOROVOD_CYCLE_TIME, is 1 ms too).
-# Room for one rank's announcements of a round (about 40 small ops) in the gather.
-SLOT_BYTES = 4096
-IDLE_ROUND_S = float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0
+NOTICE_TAG = 11
+GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print how its ops failed
 
 
-class Entry:
-    """One submitted op: what is announced (``meta``, ``info``), and what the kernel needs (``args``)."""
+def stall_times(env=None):
+    """``(warn after, shut down after)`` in seconds from Horovod's variables; ``(None, 0)`` when disabled (pure)."""
+    env = os.environ if env is None else env
+    if env.get("HOROVOD_STALL_CHECK_DISABLE", "").strip() not in ("", "0"):
+        return None, 0.0
+    warn = _seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
+    shutdown = _seconds(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
+    if shutdown and shutdown < warn:
+        sys.stderr.write("[ringtrain.torch] WARNING HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
+                         "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.\n")
+        shutdown = 0.0
+    return warn, shutdown
 
-    __slots__ = ("name", "process_set", "kind", "meta", "info", "args", "pending")
 
-    def __init__(self, name, process_set, kind, meta, info, args, pending):
-        self.name, self.process_set, self.kind = name, process_set, kind
-        self.meta, self.info, self.args, self.pending = meta, info, args, pending
+def _seconds(env, name, default):
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise UsageError(f"{name}={text!r}: must be a number of seconds >= 0; unset it for the default",
+                         everywhere=True)
+    return value
 
 
 class Engine:
-    """The background thread, its queue and its names in flight (one per :class:`~ringtrain.torch.runtime.Runtime`)."""
+    """The channels of the process sets this rank is in, the notices between ranks, and the watch.
 
-    def __init__(self, runtime):
-        self.runtime = runtime
-        # Collective over the runtime's communicator: init() runs it on every rank.
-        self.comm = runtime.comm.Dup()
-        self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
-        self.timeline = None       # a ringtrain Timeline while start_timeline is on
+    Collective over ``comm`` (the runtime's communicator): every rank builds one in ``init``. ``sets``
+    (:class:`~ringtrain.torch.process_sets.ProcessSets`) owns the communicators the channels run over.
+    """
+
+    def __init__(self, comm, sets, env=None):
+        self.user_comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.stall_times = stall_times(env)
+        self.names = Names()
+        self.reports = {}           # rank -> [(process set, key)] it has waited on longest (conflicts)
+        self.timeline = None        # a ringtrain Timeline while start_timeline is on
         self.timeline_path = None
-        self._cond = threading.Condition()
-        self._queue = []
-        self._in_flight = set()
-        self._mine = {}
-        self._table = Table(self._members)
-        self._busy = False
-        self._stopped = False
-        self._failure = None
-        self._names = {}
-        self._exchange = Announcer(self.comm)
-        self._thread = threading.Thread(target=self._main, name="ringtrain-hvd", daemon=True)
-        self._thread.start()
+        self.broken = None          # why ops fail now, once this engine is shutting down
+        self.failed = False         # a rank failed: the job is ending, so nothing is freed
+        self._notices = comm.Dup()
+        self._notice_lock = threading.Lock()
+        self._sends = []
+        self.channels = {0: Channel(self, 0, range(self.size), *sets.engine_comms(0))}
+        self._stop = threading.Event()
+        self._reported = []
+        self._watch = threading.Thread(target=self._watch_main, name="ringtrain-hvd-watch", daemon=True)
+        self._watch.start()
 
-    # The caller's side.
+    # Submitting.
 
-    def auto_name(self, kind):
-        """``"<kind>.noname.<n>"``: every rank making the same unnamed calls in order names them alike."""
-        n = self._names.get(kind, 0)
-        self._names[kind] = n + 1
-        return f"{kind}.noname.{n}"
+    def channel(self, set_id):
+        channel = self.channels.get(set_id)
+        if channel is None:
+            raise ValueError(f"process set {set_id} is not registered on this rank; call hvd.add_process_set()")
+        return channel
 
-    def submit(self, entry):
-        """Queue ``entry``; ValueError if its name is in flight on this rank."""
-        key = (entry.process_set, entry.name)
-        with self._cond:
-            if self._failure is not None:
-                raise HorovodInternalError(f"the background thread has stopped: {self._failure}")
-            if self._stopped:
-                raise HorovodInternalError("ringtrain.torch has been shut down; call init() again")
-            if key in self._in_flight:
-                raise DuplicateNameError(f"an op named {entry.name!r} is already in flight on this rank; "
-                                         "wait for it (synchronize) or use another name")
-            self._in_flight.add(key)
-            if entry.pending is not None:
-                entry.pending.collected = lambda: self._release(key)
-            self._queue.append(entry)
-            self._cond.notify()
+    def submit(self, set_id, entry):
+        """Queue ``entry`` on its process set's channel (HorovodInternalError once the engine is broken)."""
+        if self.broken is not None:
+            raise HorovodInternalError(f"{entry.label}: {self.broken}")
+        self.channel(set_id).submit(entry)
+        return entry.pending
 
-    def _release(self, key):
-        # A name stays taken until synchronize has the result, not just until the op ends:
-        # whether a quick op has ended before the caller reuses its name is a race.
-        with self._cond:
-            self._in_flight.discard(key)
+    def call(self, what, fn, meta=()):
+        """Run ``fn(communicator of every rank)`` on every rank, in the same order as every other op of set 0.
 
-    def stop(self, timeout=30.0):
-        """Announce shutdown and wait for the thread; every rank must call it (collective)."""
-        with self._cond:
-            if not self._thread.is_alive():
-                return
-            self._queue.append(Entry(SHUTDOWN, 0, "shutdown", (("kind", "shutdown"),), None, None, None))
-            self._cond.notify()
-        self._thread.join(timeout)
-
-    # The thread's side.
-
-    def _members(self, process_set):
-        if process_set == 0:
-            return range(self.size)
-        return self.runtime.extras["process_sets"].ranks_of(process_set)
-
-    def _take(self):
-        """The entries submitted since the last round; waits when there is nothing to announce."""
-        with self._cond:
-            if not self._queue:
-                if not len(self._table):
-                    while not self._queue:  # nothing anywhere: sleep until this rank submits
-                        self._cond.wait()
-                elif not self._busy:
-                    self._cond.wait(IDLE_ROUND_S)
-            new, self._queue = self._queue, []
-        return new
-
-    def _main(self):
-        try:
-            while not self._stopped:
-                new = self._take()
-                for entry in new:
-                    self._mine[(entry.process_set, entry.name)] = entry
-                everyone = self._exchange.gather([(e.name, e.process_set, e.meta, e.info) for e in new])
-                ready = self._table.merge(everyone)
-                self._busy = any(everyone)
-                self._run(ready)
-        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
-            self._fail_all(exc)
-            return
-        release(self.comm)
-
-    def _run(self, ready):
-        """Run the ready ops in order, fusing runs of compatible reductions."""
-        i = 0
-        while i < len(ready):
-            op = ready[i]
-            i += 1
-            if op.name == SHUTDOWN:
-                self._stopped = True
-                continue
-            entry = self._entry_for(op)
-            if entry is None:
-                continue  # an op of a process set this rank is not in, or one it cannot join in
-            problem = _problem(op, entry)
-            if problem is not None:
-                entry.pending.fail(problem)
-                continue
-            if op.name == JOIN:
-                entry.pending.succeed(op.last_joined)
-                continue
-            group = [(op, entry)]
-            if entry.kind in kernels.FUSABLE:
-                key, total = kernels.fuse_key(op.meta), kernels.nbytes(op.meta)
-                while (i < len(ready) and ready[i].mismatch is None and ready[i].name != SHUTDOWN
-                       and ready[i].process_set == op.process_set and kernels.fuse_key(ready[i].meta) == key
-                       and total + kernels.nbytes(ready[i].meta) <= FUSION_BYTES):
-                    total += kernels.nbytes(ready[i].meta)
-                    group.append((ready[i], self._entry_for(ready[i])))
-                    i += 1
-            self._execute(group)
-
-    def _entry_for(self, op):
-        """This rank's entry for ``op``; a stand-in adding zeros if this rank has joined instead; else None."""
-        key = (op.process_set, op.name)
-        entry = self._mine.pop(key, None)
-        if entry is not None:
-            return entry
-        return _stand_in(op) if self.rank in op.joined else None
-
-    def _execute(self, group):
-        op = group[0][0]
-        comm = self.comm if op.process_set == 0 else self.runtime.extras["process_sets"].comm_of(op.process_set)
-        execute(group, comm, self.timeline)
-
-    def _fail_all(self, exc):
-        with self._cond:
-            self._failure = exc
-            entries = list(self._mine.values()) + self._queue
-            self._mine, self._queue = {}, []
-            self._in_flight.clear()
-        for e in entries:
-            if e.pending is not None:
-                e.pending.fail(HorovodInternalError(f"the background thread failed: {type(exc).__name__}: {exc}"))
-
-
-class Announcer:
-    """The exchange of a round's announcements: every rank's list, on every rank."""
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
-        self._slots = np.zeros((self.size, SLOT_BYTES // 8), np.int64)
-
-    def gather(self, announced):
-        """Every rank's announcements, indexed by rank (collective over the engine's communicator).
-
-        One small allreduce through ringtrain's comm layer (on one host, the
-        shared-memory board: tens of microseconds where MPI's own Allgather
-        takes a millisecond on a busy machine): each rank writes its pickled
-        list in its own slot of zeros and the sum is everyone's lists. A list
-        too long for its slot is sent again, by every rank, with MPI's
-        allgather.
+        Collective over every rank; returns ``fn``'s result. ``meta`` is what the ranks must agree on.
         """
-        if self.size == 1:
-            return [announced]
-        data = pickle.dumps(announced, protocol=pickle.HIGHEST_PROTOCOL) if announced else b""
-        slots = self._slots
-        slots[...] = 0
-        mine = slots[self.rank]
-        if len(data) <= SLOT_BYTES - 8:
-            mine[0] = len(data)
-            mine[1:].view(np.uint8)[:len(data)] = np.frombuffer(data, np.uint8)
-        else:
-            mine[0] = -1
-        allreduce_(slots, op="sum", comm=self.comm)
-        lengths = slots[:, 0].tolist()
-        if min(lengths) < 0:
-            return self.comm.allgather(announced)
-        return [pickle.loads(slots[r, 1:].view(np.uint8)[:n].tobytes()) if n else [] for r, n in enumerate(lengths)]
+        from .handles import register, synchronize
 
+        key = op_key("call", self.names.next(0, "call"))
+        entry = Entry(key, what, "call", (("kind", "call"), ("what", what), *meta), None, (fn,), Pending())
+        return synchronize(register(self.submit(0, entry)))
 
+    def refuse(self, kind, problem, set_id=0, name=None):
+        """Tell a set's leader this rank refused an op on its own arguments, so every member fails it too.
 
-def execute(group, comm, timeline):
-    """Run one op (or a fused run) with its kernel; each entry succeeds with its result or fails."""
-    op, entry = group[0]
-    # Horovod's timeline has a row per op; here each fused run is one bar on the engine's row.
-    label = f"{entry.kind} {op.name}" + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-    span = timeline.span(label, tid=1) if timeline is not None else contextlib.nullcontext()
-    try:
-        with span:
-            results = kernels.run(entry.kind, comm, group)
-    except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-        error = exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
-        for _, e in group:
-            e.pending.fail(error)
-        return
-    for (_, e), result in zip(group, results):
-        e.pending.succeed(result)
+        The caller then raises ``ValueError(problem)`` on this rank; nothing waits for this op here.
+        """
+        name = self.names.next(set_id, kind) if name is None else name
+        entry = Entry(op_key(kind, name), f"{kind} {name!r}", kind, (("kind", kind), ("refused", problem)), None,
+                      (), Pending())
+        try:
+            self.submit(set_id, entry)
+        except (HorovodInternalError, ValueError):
+            pass  # broken, not a member, or the name is in flight: the caller's ValueError says enough
 
+    # Process sets' channels (made and dropped inside call(), on every rank in the same order).
 
-def _stand_in(op):
-    """A joined rank's part in an allreduce it did not submit: zeros, or None for any other op."""
-    if dict(op.meta)["kind"] != "allreduce" or op.mismatch is not None:
-        return None
-    zeros = kernels.zeros_like_meta(op.meta)
-    return Entry(op.name, op.process_set, "allreduce", op.meta, None, (zeros, zeros), handles.Pending())
+    def add_channel(self, set_id, ranks, data, control):
+        """Start the channel of a process set this rank is in, over two communicators of ``ranks``."""
+        self.channels[set_id] = Channel(self, set_id, ranks, data, control)
 
+    def drop_channel(self, set_id, reason):
+        """Close a process set's channel on every member: its undecided ops fail (collective over the set)."""
+        channel = self.channels.pop(set_id, None)
+        if channel is not None:
+            channel.close(reason, handshake=True)
+            channel.finish_close()
+            channel.stop()
 
-def _problem(op, entry):
-    """The error every rank's entry for ``op`` fails with (ranks disagreed, or some joined), or None."""
-    if op.mismatch is not None:
-        return CollectiveMismatchError(f"{entry.kind} {op.name!r}: ranks submitted different {op.mismatch}; every "
-                                       "rank must submit the same op under one name")
-    if op.joined and entry.kind != "allreduce":
-        return HorovodInternalError(f"{entry.kind} {op.name!r}: rank(s) {list(op.joined)} have joined; only "
-                                    "allreduce runs while ranks are joined")
-    return None
+    # The failure model.
+
+    def shutdown(self):
+        """Fail what is pending and tell every rank this one has shut down; the channels' threads end."""
+        if self.broken is None:
+            self._tell_everyone(f"rank {self.rank} has been shut down (ops after a rank's shutdown fail, "
+                                "as in Horovod)", failure=False)
+            self._break("ringtrain.torch has been shut down on this rank; call hvd.init() again", failure=False)
+        for set_id in sorted(self.channels):
+            self.channels[set_id].finish_close(timeout=30.0)
+        for channel in self.channels.values():
+            channel.stop()
+        self._stop.set()
+        self._watch.join(5)
+        self.channels = {}
+
+    def fail_job(self, reason):
+        """This rank failed: every rank's ops fail with ``reason`` (the job is about to be aborted)."""
+        self._tell_everyone(reason, failure=True)
+        self._break(reason, failure=True)
+
+    def stall_shutdown(self, reason):
+        """A set's leader saw an op wait past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: shut down on every rank."""
+        self._tell_everyone(reason, failure=False)
+        self._break(reason, failure=False)
+
+    def excepthook(self, previous):
+        """``sys.excepthook`` while the engine runs: print, fail every rank's ops, then end the job."""
+        def hook(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
+            if self.size == 1 or self._stop.is_set():
+                return
+            secondary = self.failed
+            reason = f"rank {self.rank} raised {describe(exc)}"
+            sys.stderr.write(f"rank {self.rank}: {describe(exc)}\n")
+            self.fail_job(reason)
+            if not secondary:  # the first failure: let every rank hear of it and print its op's error
+                deadline = time.monotonic() + GRACE_S
+                for channel in list(self.channels.values()):
+                    channel.finish_close(timeout=max(0.0, deadline - time.monotonic()))
+                time.sleep(max(0.0, deadline - time.monotonic()))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.user_comm.Abort(1)
+
+        return hook
+
+    def _break(self, reason, failure):
+        if failure:
+            self.failed = True
+        if self.broken is None:
+            self.broken = reason
+        for channel in list(self.channels.values()):
+            channel.close(reason)
+
+    def _tell_everyone(self, reason, failure):
+        with self._notice_lock:
+            for r in range(self.size):
+                if r != self.rank:
+                    self._sends.append(self._notices.isend(("p", self.rank, reason, failure), dest=r,
+                                                           tag=NOTICE_TAG))
+
+    def _read_notices(self):
+        from mpi4py import MPI
+
+        with self._notice_lock:
+            while True:
+                message = self._notices.improbe(MPI.ANY_SOURCE, NOTICE_TAG)
+                if message is None:
+                    break
+                kind, rank, *body = message.recv()
+                if kind == "r":
+                    self.reports[rank] = body[0]
+                elif self.broken is None or (body[1] and not self.failed):
+                    self._break(body[0], failure=body[1])
+            self._sends = [r for r in self._sends if not r.Test()]
+
+    # The watch: notices, idle leaders' mail, reports, and ringtrain's bound.
+
+    def _watch_main(self):
+        while not self._stop.wait(TICK_S):
+            try:
+                self._read_notices()
+                now = time.monotonic()
+                for channel in list(self.channels.values()):
+                    channel.idle_poll(now)
+                self._report(now)
+                self._check_bound(now)
+            except Exception as exc:  # noqa: BLE001 - a watch that dies silently would hide every later stall
+                if self._stop.is_set():
+                    return
+                sys.stderr.write(f"[ringtrain.torch] rank {self.rank}: the watch thread failed: {describe(exc)}\n")
+                return
+
+    def _report(self, now):
+        """Tell every rank which ops this one has waited on for long (so leaders can name a conflict)."""
+        waiting = sorted((c.set_id, e.key) for c in list(self.channels.values()) for e, _ in c.entries()
+                         if now - e.submitted >= PROBE_S)
+        if waiting == self._reported:
+            return
+        self._reported = self.reports[self.rank] = waiting
+        with self._notice_lock:
+            for r in range(self.size):
+                if r != self.rank:
+                    self._sends.append(self._notices.isend(("r", self.rank, waiting), dest=r, tag=NOTICE_TAG))
+
+    def _check_bound(self, now):
+        bound = get_timeout(self.user_comm)
+        if bound is None or self.size == 1:
+            return
+        for channel in list(self.channels.values()):
+            for entry, missing in channel.entries():
+                if now - entry.submitted > bound:
+                    return self._time_out(channel, entry, missing, bound)
+
+    def _time_out(self, channel, entry, missing, bound):
+        who = (f"; rank(s) {missing} have not submitted it" if missing else
+               f"; process set {channel.set_id}'s leader (rank {channel.leader}) has not matched it")
+        line = f"rank {self.rank}: {entry.label} did not finish within {bound:g}s{who} ({HINT})"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        entry.pending.fail(HorovodInternalError(line))
+        self.fail_job(f"rank {self.rank} timed out: {entry.label} did not finish within {bound:g}s{who}")
+        time.sleep(min(GRACE_S, bound))
+        sys.stdout.flush()
+        self.user_comm.Abort(1)
+

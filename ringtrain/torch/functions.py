@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ..comm import allreduce_, broadcast_
-from . import runtime, scope
+from . import process_sets as scope
+from . import runtime
 from .errors import CollectiveMismatchError
 from .interop import broadcast_tensors_
 

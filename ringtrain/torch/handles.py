@@ -1,7 +1,10 @@
 """Handles: what an async op returns, for ``poll`` and ``synchronize``.
 
 A handle is an int, as in Horovod, naming a :class:`Pending` op in this
-process's table until :func:`synchronize` takes it out.
+process's table until :func:`synchronize` takes it out. ``synchronize``
+does more than wait: when no other thread is running the op's process set,
+the caller's own thread runs it (announces it, hears the leader's decision,
+moves the bytes), so a blocking op costs no hand-off to a background thread.
 """
 
 import itertools
@@ -9,7 +12,7 @@ import threading
 
 from .errors import HorovodInternalError
 
-__all__ = ["Pending", "GroupPending", "register", "poll", "synchronize", "outstanding"]
+__all__ = ["Pending", "register", "poll", "synchronize", "outstanding"]
 
 _table = {}
 _counter = itertools.count(1)
@@ -17,70 +20,66 @@ _lock = threading.Lock()
 
 
 class Pending:
-    """One submitted op's completion: set once by the background thread, with a result or an error."""
+    """One submitted op's completion: set once, with a result or an error, by whichever thread ran it.
 
-    __slots__ = ("_done", "result", "error", "finish_fn", "collected")
+    ``channel`` is the process set's :class:`~ringtrain.torch.channel.Channel`
+    (None for an op that needs no driving); ``finish_fn`` runs on the
+    caller's thread in :func:`synchronize` (decompression, for example).
+    The event a waiting thread sleeps on is made only when one waits: an op
+    the caller's own thread runs never needs one.
+    """
+
+    __slots__ = ("finished", "result", "error", "finish_fn", "channel", "_event")
 
     def __init__(self, finish_fn=None):
-        self._done = threading.Event()
+        self.finished = False
         self.result = None
         self.error = None
-        self.finish_fn = finish_fn  # runs on the caller's thread in synchronize (autograd, decompression)
-        self.collected = _nothing  # the engine's: frees the op's name once synchronize has the result
+        self.finish_fn = finish_fn
+        self.channel = None
+        self._event = None
 
     def succeed(self, result):
         self.result = result
-        self._done.set()
+        self._finish()
 
     def fail(self, error):
         self.error = error
-        self._done.set()
+        self._finish()
+
+    def _finish(self):
+        self.finished = True
+        event = self._event  # read after the flag is set: a waiter that made it sooner is woken
+        if event is not None:
+            event.set()
 
     def done(self):
-        return self._done.is_set()
+        return self.finished
 
-    def wait(self):
+    def wait(self, timeout=None):
+        """Wait until done (or ``timeout`` seconds); True when done."""
+        if self.finished:
+            return True
+        with _lock:
+            if self._event is None:
+                self._event = threading.Event()
+        if self.finished:  # finished before the event existed: nobody will set it
+            return True
+        return self._event.wait(timeout)
+
+    def complete(self):
+        """Run the op to completion on this thread if its process set is idle, else wait for it."""
+        if self.channel is not None and not self.finished:
+            self.channel.drive(self)
         # Waiting in slices keeps Ctrl-C working: a bare Event.wait() blocks signals.
-        while not self._done.wait(0.5):
+        while not self.wait(0.5):
             pass
-
-
-def _nothing():
-    pass
-
-
-class GroupPending:
-    """The completion of a grouped op: done when every member is; its result is the members' results."""
-
-    def __init__(self, members, finish_fn=None):
-        self.members = members
-        self.finish_fn = finish_fn
-
-    def done(self):
-        return all(m.done() for m in self.members)
-
-    def wait(self):
-        for m in self.members:
-            m.wait()
-
-    def collected(self):
-        for m in self.members:
-            m.collected()
-
-    @property
-    def error(self):
-        return next((m.error for m in self.members if m.error is not None), None)
-
-    @property
-    def result(self):
-        return [m.result for m in self.members]
 
 
 def register(pending):
     """Put ``pending`` in the table; return its handle."""
-    handle = next(_counter)
-    with _lock:
-        _table[handle] = pending
+    handle = next(_counter)  # (a counter's next and a dict's item assignment are atomic: no lock needed)
+    _table[handle] = pending
     return handle
 
 
@@ -98,22 +97,19 @@ def poll(handle):
 
 
 def synchronize(handle):
-    """Wait for the op behind ``handle``; return its output (a tensor, or a tuple of tensors).
+    """Wait for the op behind ``handle``; return its output (a tensor, a list, or a tuple of tensors).
 
     Raises the op's error (a :class:`HorovodInternalError`, or its subclass for
     ranks that disagreed) if it failed. An unknown handle returns None, as in
     Horovod.
     """
-    with _lock:
-        pending = _table.get(handle)
+    pending = _table.get(handle)
     if pending is None:
         return None
     try:
-        pending.wait()
+        pending.complete()
     finally:
-        with _lock:
-            _table.pop(handle, None)
-        pending.collected()
+        _table.pop(handle, None)
     if pending.error is not None:
         error = pending.error
         if not isinstance(error, RuntimeError):

@@ -1,104 +1,315 @@
-"""Matching ops across ranks by name, as Horovod's coordinator does (pure: no MPI).
+"""Matching ops across the ranks of a process set by name (pure: no MPI, no threads).
 
-Each round every rank announces the ops it has been given since the last
-round: ``(name, process set, meta, info)``. ``meta`` is what every rank must
-agree on (kind, dtype, shape, op, root, ...), as ``(field, value)`` pairs;
-``info`` is what may differ (an allgather's first dimension, an alltoall's
-splits). Every rank merges everyone's announcements in rank order into its
-own :class:`Table`, so every table is the same, and :meth:`Table.merge`
-returns the ops that every member has now announced, in the order they were
-first announced: every rank then runs them in that same order.
+Every member of a process set tells every other member what it submits:
+an announcement ``(meta, info, data)`` under the op's key, where ``meta``
+is what every member must agree on (kind, dtype, shape, op, root, ...) as
+``(field, value)`` pairs, ``info`` what may differ (an allgather's rows,
+an alltoall's splits) and ``data`` a small op's bytes. Every member keeps
+the announcements on a :class:`Board`; once every member has announced an
+op, :func:`verdict` says, the same on every rank, what becomes of it:
+
+* ``FAIL``: the ranks disagree (kind, dtype, shape, op, factors, root,
+  trailing dimensions, grouped length), one refused it on its own
+  arguments, or it is not an allreduce while a rank has joined;
+* ``LOCAL``: a small allreduce, broadcast or barrier whose data came with
+  the announcements: every rank computes the result itself, no collective;
+* ``ORDERED``: a collective. Ranks may submit ops in different orders, so
+  the set's leader (its lowest rank) decides the order in which every
+  member runs these, and sends it.
+
+Names are per kind, as in Horovod (an allreduce and a broadcast may share
+one): the key of an op is ``"<kind>.<name>"``; unnamed ops are named
+``noname.<n>`` by a counter per process set and kind (:class:`Names`), so
+ranks making the same unnamed calls in the same order match.
 """
 
 import dataclasses
+import math
 
-__all__ = ["Ready", "Table", "first_difference", "SHUTDOWN", "JOIN"]
+__all__ = ["Verdict", "Board", "Names", "verdict", "first_difference", "same_value", "refusal", "op_key",
+           "user_name", "join_blocks", "conflicts", "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
 
-SHUTDOWN = "__ringtrain_shutdown__"  # the name shutdown() announces; ready when every rank has
-# The name join() announces. A rank that has joined counts as present for
-# every other op until every rank has joined (it adds zeros to allreduces).
-JOIN = "__ringtrain_join__"
+# The key join() announces. A rank that has joined answers every allreduce it
+# did not submit with JOINED (it adds zeros) until every rank has joined.
+JOIN = "join.__ringtrain__"
+JOINED = (("kind", "joined"),)
+FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
 
 
-@dataclasses.dataclass
-class Ready:
-    """An op every member of its process set has announced."""
+def op_key(kind, name):
+    """The key ops are matched by: ``"<kind>.<name>"`` (pure)."""
+    return f"{kind}.{name}"
 
-    name: str
-    process_set: int
-    meta: tuple               # the agreed fields (rank ``ranks[0]``'s, when they disagree)
-    infos: list               # each member's info, in member order
-    ranks: tuple              # the members, in order
-    mismatch: str = None      # None, or what differs between ranks
-    joined: tuple = ()        # members that did not announce it but have joined
-    last_joined: int = -1     # for JOIN: the rank that joined last
+
+def user_name(key):
+    """The name the user gave (or ``noname.<n>``) from an op's key (pure)."""
+    return key.partition(".")[2]
+
+
+class Names:
+    """Names for unnamed ops: ``noname.<n>``, counted per process set and kind."""
+
+    def __init__(self):
+        self._counts = {}
+
+    def next(self, process_set, kind):
+        n = self._counts.get((process_set, kind), 0)
+        self._counts[(process_set, kind)] = n + 1
+        return f"noname.{n}"
+
+
+def same_value(a, b):
+    """Equality in which NaN equals NaN, elementwise through tuples (pure): ranks that all pass NaN agree."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def first_difference(metas):
-    """``"<field>: <a> and <b>"`` for the first field on which ``metas`` disagree, or None (pure)."""
+    """``"<field>: <a> and <b>"`` for the first field on which ``metas`` disagree, or None (pure).
+
+    A grouped op's ``parts`` are compared by count (``grouped length``), then tensor by tensor.
+    """
     first = metas[0]
     for other in metas[1:]:
-        if other == first:
-            continue
-        mine = dict(first)
-        for field, value in other:
-            if mine.get(field, value) != value:
-                return f"{field}: {mine[field]} and {value}"
-        return f"fields: {[f for f, _ in first]} and {[f for f, _ in other]}"
+        if not same_value(other, first):
+            return _difference(first, other)
     return None
 
 
-class Table:
-    """Every announced op that not every member has announced yet, in first-announced order.
+def _difference(first, other):
+    mine = dict(first)
+    for field, value in other:
+        if field not in mine or same_value(mine[field], value):
+            continue
+        if field == "parts":
+            if len(mine[field]) != len(value):
+                return f"grouped length: {len(mine[field])} and {len(value)}"
+            i, a, b = next((i, a, b) for i, (a, b) in enumerate(zip(mine[field], value)) if not same_value(a, b))
+            return f"tensor {i} {_difference(a, b)}"
+        return f"{field}: {mine[field]} and {value}"
+    return f"fields: {[f for f, _ in first]} and {[f for f, _ in other]}"
+
+
+def refusal(meta):
+    """The message of a rank that refused an op on its own arguments, or None (pure).
+
+    A refusal is announced as ``(("kind", kind), ("refused", message))``.
+    """
+    return meta[1][1] if len(meta) == 2 and meta[1][0] == "refused" else None
+
+
+@dataclasses.dataclass(slots=True)
+class Verdict:
+    """What every member does with an op every member has announced (the same on every rank)."""
+
+    action: str               # FAIL, LOCAL or ORDERED
+    meta: tuple = None        # the agreed fields (the first present member's)
+    error: str = None         # FAIL: why, the same text on every rank
+    mismatch: bool = False    # FAIL because ranks disagreed (a CollectiveMismatchError)
+    joined: tuple = ()        # ranks that answered JOINED: they add zeros
+
+
+def verdict(key, members, by_rank):
+    """The verdict on op ``key`` from every member's announcement ``(meta, info, data)``, in member order (pure).
 
     Args:
-        members: ``f(process_set) -> tuple of ranks``, the ranks that must announce an op of that set.
+        key: the op's key.
+        members: the set's ranks, in order.
+        by_rank: rank -> announcement, for every member.
+    """
+    meta = by_rank[members[0]][0]
+    if meta[-1][0] != "refused" and meta != JOINED and all(by_rank[r][0] == meta for r in members):
+        # The common case: every member agrees, and none has joined or refused.
+        return Verdict(_action(meta[0][1], meta, members, members, by_rank), meta)
+    label = f"{key.partition('.')[0]} {user_name(key)!r}"
+    for rank in members:
+        refused = refusal(by_rank[rank][0])
+        if refused is not None:
+            return Verdict(FAIL, error=f"{label}: rank {rank} refused it: {refused}", mismatch=True)
+    joined = tuple(r for r in members if by_rank[r][0] == JOINED)
+    present = [r for r in members if r not in joined]
+    metas = [by_rank[r][0] for r in present]
+    meta = metas[0]
+    kind = meta[0][1]
+    if joined and kind != "allreduce":
+        return Verdict(FAIL, error=f"{label}: rank(s) {list(joined)} have joined; only allreduce runs while ranks "
+                                   "are joined")
+    if not all(m == meta for m in metas):
+        difference = first_difference(metas)
+        if difference is not None:
+            return Verdict(FAIL, error=f"{label}: ranks submitted different {difference}; every rank must submit "
+                                       "the same op under one name", mismatch=True)
+    return Verdict(_action(kind, meta, members, present, by_rank), meta, joined=joined)
+
+
+def _action(kind, meta, members, present, by_rank):
+    """LOCAL when the data every rank needs came with the announcements, else ORDERED (pure)."""
+    if kind == "barrier":
+        return LOCAL
+    if kind == "allreduce":
+        # A rank sends its data only for a small CPU op, so data from every rank means one.
+        return LOCAL if all(by_rank[r][2] is not None for r in present) else ORDERED
+    if kind == "broadcast":
+        return LOCAL if by_rank[members[dict(meta)["root"]]][2] is not None else ORDERED
+    return ORDERED
+
+
+
+class _Entry:
+    __slots__ = ("by_rank", "since", "later")
+
+    def __init__(self, since):
+        self.by_rank, self.since, self.later = {}, since, []
+
+
+class Board:
+    """The announcements a member has heard for ops not every member has announced yet, or not yet run.
+
+    A rank may announce a name again as soon as its own op of that name has
+    completed, before a slower member has heard every announcement of the
+    first; such an announcement waits its turn (``later``) on the board.
+
+    Args:
+        members: the set's ranks, in order.
     """
 
     def __init__(self, members):
-        self._members = members
-        self._waiting = {}  # (process set, name) -> {rank: (meta, info)}; dicts keep insertion order
-        self._joined = {}   # rank -> (round, rank) of its join, until every rank has joined
-        self._rounds = 0
+        self.members = tuple(members)
+        self._entries = {}  # key -> _Entry, in first-announced order
 
     def __len__(self):
-        return len(self._waiting)
+        return len(self._entries)
 
-    def waiting(self):
-        """``[(name, process set, ranks that announced it)]`` for ops not yet ready (for stall reports)."""
-        return [(name, ps, sorted(by_rank)) for (ps, name), by_rank in self._waiting.items()]
+    def add(self, rank, key, announcement, now):
+        """Record ``rank``'s announcement of ``key``; True when every member has now announced it."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(now)
+        if rank in entry.by_rank:
+            entry.later.append((rank, announcement))
+            return False
+        entry.by_rank[rank] = announcement
+        return len(entry.by_rank) == len(self.members)
 
-    def merge(self, announcements):
-        """Add every rank's announcements (a list indexed by rank); return the ops now ready, in order."""
-        self._rounds += 1
-        for rank, announced in enumerate(announcements):
-            for name, ps, meta, info in announced:
-                self._waiting.setdefault((ps, name), {})[rank] = (meta, info)
-                if name == JOIN:
-                    self._joined.setdefault(rank, (self._rounds, rank))
-        ready = []
-        for key, by_rank in list(self._waiting.items()):
-            ps, name = key
-            ranks = tuple(self._members(ps))
-            missing = tuple(r for r in ranks if r not in by_rank)
-            # Only allreduces run while a rank is joined; any other op fails at
-            # once on the ranks that announced it, without waiting for a match.
-            refused = bool(self._joined) and name not in (JOIN, SHUTDOWN) and _kind(by_rank) != "allreduce"
-            if missing and not refused and (name == JOIN or any(r not in self._joined for r in missing)):
-                continue
-            del self._waiting[key]
-            present = [r for r in ranks if r in by_rank]
-            metas = [by_rank[r][0] for r in present]
-            op = Ready(name, ps, metas[0], [by_rank[r][1] if r in by_rank else None for r in ranks], ranks,
-                       first_difference(metas), tuple(sorted(self._joined)) if refused else missing)
-            if name == JOIN:
-                op.last_joined = max(self._joined.values())[1]
-                self._joined.clear()
-            ready.append(op)
-        return ready
+    def has(self, key, rank):
+        """Whether ``rank``'s (current) announcement of ``key`` is on the board."""
+        entry = self._entries.get(key)
+        return entry is not None and rank in entry.by_rank
+
+    def announcements(self, key):
+        """rank -> announcement of ``key`` (a complete op's, once :meth:`add` said so)."""
+        return self._entries[key].by_rank
+
+    def partial(self, key):
+        """rank -> announcement of ``key`` heard so far (empty if none)."""
+        entry = self._entries.get(key)
+        return entry.by_rank if entry is not None else {}
+
+    def drop(self, key):
+        """Forget ``key`` and any announcement of it waiting its turn (its op failed here without a match)."""
+        self._entries.pop(key, None)
+
+    def complete(self, key):
+        entry = self._entries.get(key)
+        return entry is not None and len(entry.by_rank) == len(self.members)
+
+    def take(self, key, now):
+        """Remove ``key``'s announcements (its op is done); True if the next ones of that name are now complete."""
+        entry = self._entries.pop(key, None)
+        if entry is None or not entry.later:
+            return False
+        successor = self._entries[key] = _Entry(now)
+        for rank, announcement in entry.later:
+            if rank in successor.by_rank:
+                successor.later.append((rank, announcement))
+            else:
+                successor.by_rank[rank] = announcement
+        return len(successor.by_rank) == len(self.members)
+
+    def waiting(self, now):
+        """``[(key, seconds waited, missing ranks)]`` of the ops not every member has announced, oldest first.
+
+        Safe to call from another thread than the one adding (it reads a copy).
+        """
+        return [(key, now - e.since, [r for r in self.members if r not in e.by_rank])
+                for key, e in list(self._entries.items()) if len(e.by_rank) < len(self.members)]
+
+    def keys(self):
+        return list(self._entries)
 
 
-def _kind(by_rank):
-    """The kind of op one rank announced (ranks that disagree on it are caught as a mismatch)."""
-    meta = next(iter(by_rank.values()))[0]
-    return dict(meta).get("kind")
+def join_blocks(key, joined, announced):
+    """The ranks that have joined, if ``key`` must fail because of them, else None (pure).
+
+    Only allreduces run while ranks are joined (they add zeros); any other
+    op fails at once, without waiting for a match, once a rank that has
+    joined (``joined``, in the order heard) has not submitted it: it never will.
+    """
+    if not joined:
+        return None
+    meta = next((a[0] for a in announced.values() if a[0] != JOINED), None)
+    if meta is None or meta[0][1] == "allreduce":
+        return None
+    if all(j in announced and announced[j][0] != JOINED for j in joined):
+        return None
+    return sorted(joined)
+
+
+def conflicts(process_set, waiting, reports, probe_s):
+    """``[(key, error)]`` for ops a missing rank submitted differently: another kind, or another process set (pure).
+
+    Args:
+        process_set: the id of the set ``waiting`` belongs to.
+        waiting: :meth:`Board.waiting`'s list.
+        reports: rank -> ``[(process set, key)]`` of the ops that rank has waited on longest.
+        probe_s: how long an op waits before it is compared (ops in flight in
+            different orders are not conflicts; only ops that stay unmatched are).
+    """
+    found = []
+    for key, age, missing in waiting:
+        if age < probe_s or user_name(key).startswith("noname."):  # unnamed ops of two sets are two ops
+            continue
+        for rank in missing:
+            other = next(((ps, k) for ps, k in reports.get(rank, ()) if user_name(k) == user_name(key)
+                          and (ps, k) != (process_set, key)), None)
+            if other is not None:
+                mine, theirs = key.partition(".")[0], other[1].partition(".")[0]
+                found.append((key, f"{mine} {user_name(key)!r}: rank {rank} submitted it as {theirs} on process "
+                                   f"set {other[0]}, not {mine} on process set {process_set}; every rank must "
+                                   "submit the same op under one name"))
+                break
+    return found
+
+
+def stall_report(process_set, ranks, waiting, warn_s, shutdown_s):
+    """Horovod's stall warning for ``waiting`` ops older than ``warn_s``, and whether to shut down (pure).
+
+    Returns ``(message, shut_down)``; message is None when nothing has waited
+    that long. ``shutdown_s`` of 0 never shuts down; ranks marked ``!`` have
+    kept an op waiting longer than it.
+    """
+    missing, stalled = {}, set()
+    for key, age, absent in waiting:
+        if age <= warn_s:
+            continue
+        for rank in absent:
+            missing.setdefault(rank, []).append(key)
+            if shutdown_s and age > shutdown_s:
+                stalled.add(rank)
+    if not missing:
+        return None, False
+    lines = [f"process set {process_set} (ranks {list(ranks)}): one or more tensors were submitted to be reduced, "
+             "gathered or broadcasted by subset of ranks and are waiting for remainder of ranks for more than "
+             f"{warn_s:g} seconds. This may indicate that different ranks are trying to submit different tensors "
+             "or that only subset of ranks is submitting tensors, which will cause deadlock.", "Missing ranks:"]
+    for rank in sorted(missing):
+        names = missing[rank]
+        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+        lines.append(f"{rank}{'!' if rank in stalled else ''}: [{shown}]")
+    if stalled:
+        lines.append(f'One or more rank (marked by "!") is stalled for longer than {shutdown_s:g} seconds. '
+                     "Will shutdown.")
+    return "\n".join(lines), bool(stalled)

@@ -1,49 +1,29 @@
-"""Submitting ops: the ``*_async`` collectives of Horovod's API, returning handles.
+"""Submitting ops: the ``*_async`` collectives of Horovod's API, ``join``, ``barrier`` and the timeline.
 
-Each function checks its arguments on this rank (a ValueError before
-anything is sent), describes the op for the other ranks (``meta``: what
-they must agree on; ``info``: what may differ) and queues it on the
-:class:`~ringtrain.torch.engine.Engine`. ``synchronize(handle)`` returns
-its output. Collective: every rank of the process set must submit an op of
-the same name (unnamed ops are named by a per-kind counter, so ranks making
-the same unnamed calls in the same order match).
+Each function checks its arguments on this rank, describes the op for the
+other members (``meta``: what they must agree on; ``info``: what may
+differ) and submits it to the engine (:mod:`ringtrain.torch.engine`, whose
+docstring is the contract: which calls are collective, in what order,
+what fails how); ``synchronize(handle)`` returns its output. An argument
+this rank refuses raises ``ValueError`` here, and the process set's other
+members get the error too instead of waiting for an op that never comes.
 """
 
-import atexit
 import warnings
 
 import torch
 
 from . import handles, runtime
-from .dtypes import check_tensor, dtype_name
-from .engine import Engine, Entry
+from .channel import Entry
+from .kernels import LOCAL_BYTES, check_tensor, dtype_name
+from .negotiation import JOIN, op_key
 from .process_sets import global_process_set
 from .reduce_ops import Average, Sum, op_name
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
-           "reducescatter_async", "grouped_reducescatter_async", "barrier", "join", "resolve_op", "engine",
-           "submit"]
-
-
-@runtime.start_hook
-def _start(rt):
-    rt.extras["engine"] = Engine(rt)
-
-
-@runtime.stop_hook
-def _stop(rt):
-    rt.extras.pop("engine").stop()
-
-
-# Every rank exits through here, so the engine's last round (and its
-# communicator's release) happens before mpi4py finalizes MPI.
-atexit.register(runtime.shutdown)
-
-
-def engine():
-    """The running runtime's :class:`Engine` (ValueError before ``init``)."""
-    return runtime.current().extras["engine"]
+           "reducescatter_async", "grouped_reducescatter_async", "barrier", "join", "resolve_op", "submit",
+           "alltoall_splits", "start_timeline", "stop_timeline"]
 
 
 def resolve_op(op, average):
@@ -56,149 +36,189 @@ def resolve_op(op, average):
     return Average if op is None else op
 
 
-def _set_id(process_set, who):
+def _set_of(process_set, who):
+    """``(process set, its id)``, checked: registered, and this rank in it."""
     ps = global_process_set if process_set is None else process_set
     if ps.process_set_id is None:
         raise ValueError(f"{who}: the process set is not registered; call hvd.add_process_set() first")
     if ps.process_set_id != 0 and runtime.rank() not in ps.ranks:
         raise ValueError(f"{who}: this rank ({runtime.rank()}) is not in {ps}")
-    return ps.process_set_id
+    return ps, ps.process_set_id
 
 
-def submit(kind, name, process_set, meta, info, args, pending=None, exact=False):
-    """Queue one op on the engine; return its :class:`~ringtrain.torch.handles.Pending`.
+def submit(kind, name, process_set, describe, exact=False):
+    """Submit one op; return its :class:`~ringtrain.torch.handles.Pending`.
 
-    ``name`` gets the kind in front (names are per kind, as in Horovod: an
-    allreduce and a broadcast may share one) unless ``exact``.
+    ``describe()`` returns ``(meta, info, args)``, or raises ValueError for
+    an argument this rank refuses: the set's members are then told, so they
+    fail the op too. ``name`` is the user's (None: ``noname.<n>``); the op is
+    matched by ``"<kind>.<name>"`` unless ``exact``.
     """
-    eng = engine()
-    pending = pending or handles.Pending()
+    engine = runtime.current().engine
+    ps, set_id = _set_of(process_set, kind)
     if name is None:
-        name = eng.auto_name(kind)
-    elif not exact:
-        name = f"{kind}.{name}"
-    if tensor_is_cuda(args):
-        torch.cuda.current_stream().synchronize()  # the engine's thread reads the tensor next
-    eng.submit(Entry(name, _set_id(process_set, kind), kind, meta, info, args, pending))
-    return pending
+        name = engine.names.next(set_id, kind)
+    name = str(name)
+    try:
+        meta, info, args = describe()
+    except ValueError as exc:
+        engine.refuse(kind, str(exc), set_id, name)
+        raise ValueError(str(exc)) from None
+    key = name if exact else op_key(kind, name)
+    cuda = bool(args) and _any_cuda(args)
+    if cuda:
+        torch.cuda.current_stream().synchronize()  # another thread may read the tensors next
+    local = (kind in ("allreduce", "broadcast") and not cuda and meta[0][1] == kind and len(meta) > 3
+             and meta[3][1] != "adasum" and 0 < args[0].numel() * args[0].element_size() <= LOCAL_BYTES)
+    return engine.submit(set_id, Entry(key, (name, set_id), kind, meta, info, args, handles.Pending(), local))
 
 
-def tensor_is_cuda(args):
-    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
+def _any_cuda(args):
+    first = args[0]
+    if isinstance(first, torch.Tensor):
+        return first.is_cuda  # a single op's input and output are on one device (checked by its kind)
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in _tensors(args))
 
 
-def _device(tensor):
-    return tensor.device.type
+def _tensors(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+        else:
+            yield a
+
+
+def _checked(tensor, who):
+    problem = check_tensor(tensor, who)
+    if problem is not None:
+        raise ValueError(problem)
+    return tensor
+
+
+_METAS = {}  # what a reduction is announced with, one tuple per distinct op (cheap to build, compare and send)
 
 
 def _reduce_meta(kind, tensor, op, prescale_factor, postscale_factor):
-    return (("kind", kind), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
-            ("op", op_name(op)), ("prescale", float(prescale_factor)), ("postscale", float(postscale_factor)),
-            ("device", _device(tensor)))
+    _checked(tensor, kind)
+    key = (kind, tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, tensor.is_cuda)
+    meta = _METAS.get(key)
+    if meta is None:
+        meta = (("kind", kind), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
+                ("op", op_name(op)), ("prescale", float(prescale_factor)), ("postscale", float(postscale_factor)),
+                ("device", "cuda" if tensor.is_cuda else "cpu"))
+        if len(_METAS) > 4096:  # a program of ever-new shapes must not grow this without bound
+            _METAS.clear()
+        _METAS[key] = meta
+    return meta
 
 
-def _allreduce_pending(tensor, output, name, op, prescale_factor, postscale_factor, process_set, kind="allreduce"):
-    check_tensor(tensor, kind)
-    meta = _reduce_meta(kind, tensor, op, prescale_factor, postscale_factor)
-    return submit(kind, name, process_set, meta, None, (tensor, output))
+def _group(kind, describe_one, tensors):
+    """``describe()`` of a grouped op: one entry, its parts each described as a single op would be."""
+    def describe():
+        if not tensors:
+            raise ValueError(f"grouped_{kind}: the list of tensors is empty")
+        parts = [describe_one(t) for t in tensors]
+        infos = tuple(p[1] for p in parts)
+        return ((("kind", kind), ("parts", tuple(p[0] for p in parts))), infos if any(i is not None for i in infos)
+                else None, [p[2] for p in parts])
+    return describe
+
+
+def _allreduce_one(op, prescale_factor, postscale_factor, in_place):
+    def describe(tensor):
+        meta = _reduce_meta("allreduce", tensor, op, prescale_factor, postscale_factor)
+        out = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return meta, None, (tensor, out)
+    return describe
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
-    """Start reducing ``tensor`` across ranks into a new tensor; return a handle."""
-    op = resolve_op(op, average)
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return handles.register(_allreduce_pending(tensor, output, name, op, prescale_factor, postscale_factor,
-                                               process_set))
+    """Start reducing ``tensor`` across the set's ranks into a new tensor; return a handle."""
+    one = _allreduce_one(resolve_op(op, average), prescale_factor, postscale_factor, in_place=False)
+    return handles.register(submit("allreduce", name, process_set, lambda: one(tensor)))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
     """Start reducing ``tensor`` in place; return a handle."""
-    op = resolve_op(op, average)
-    return handles.register(_allreduce_pending(tensor, tensor, name, op, prescale_factor, postscale_factor,
-                                               process_set))
-
-
-def _grouped(kind, tensors, name, one):
-    """Submit ``one(tensor, member_name)`` for every tensor, under one handle."""
-    if not tensors:
-        raise ValueError(f"grouped_{kind}: the list of tensors is empty")
-    base = engine().auto_name(f"grouped_{kind}") if name is None else str(name)
-    members = [one(t, f"{base}.{i}") for i, t in enumerate(tensors)]  # submit() adds the kind
-    return handles.register(handles.GroupPending(members))
+    one = _allreduce_one(resolve_op(op, average), prescale_factor, postscale_factor, in_place=True)
+    return handles.register(submit("allreduce", name, process_set, lambda: one(tensor)))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
-    """Start reducing each tensor into a new one, fused where they fit; return one handle."""
-    op = resolve_op(op, average)
-    return _grouped("allreduce", tensors, name, lambda t, n: _allreduce_pending(
-        t, torch.empty_like(t, memory_format=torch.contiguous_format), n, op, prescale_factor, postscale_factor,
-        process_set))
+    """Start reducing each tensor into a new one, fused where they fit; return one handle (a list)."""
+    one = _allreduce_one(resolve_op(op, average), prescale_factor, postscale_factor, in_place=False)
+    return handles.register(submit("allreduce", name, process_set, _group("allreduce", one, list(tensors))))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                              process_set=global_process_set):
-    """Start reducing each tensor in place; return one handle."""
-    op = resolve_op(op, average)
-    return _grouped("allreduce", tensors, name, lambda t, n: _allreduce_pending(
-        t, t, n, op, prescale_factor, postscale_factor, process_set))
+    """Start reducing each tensor in place; return one handle (a list)."""
+    one = _allreduce_one(resolve_op(op, average), prescale_factor, postscale_factor, in_place=True)
+    return handles.register(submit("allreduce", name, process_set, _group("allreduce", one, list(tensors))))
 
 
-def _allgather_pending(tensor, name, process_set):
-    check_tensor(tensor, "allgather")
-    rest = tuple(tensor.shape[1:])
-    meta = (("kind", "allgather"), ("dtype", dtype_name(tensor.dtype)), ("trailing shape", rest),
-            ("device", _device(tensor)))
-    return submit("allgather", name, process_set, meta, tensor.shape[0] if tensor.dim() else 1, (tensor,))
+def _allgather_one(tensor):
+    _checked(tensor, "allgather")
+    meta = (("kind", "allgather"), ("dtype", dtype_name(tensor.dtype)), ("trailing shape", tuple(tensor.shape[1:])),
+            ("device", tensor.device.type))
+    return meta, tensor.shape[0] if tensor.dim() else 1, (tensor,)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` on the first dimension (which may differ); return a handle."""
-    return handles.register(_allgather_pending(tensor, name, process_set))
+    return handles.register(submit("allgather", name, process_set, lambda: _allgather_one(tensor)))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
-    """Start an allgather of each tensor; return one handle."""
-    return _grouped("allgather", tensors, name, lambda t, n: _allgather_pending(t, n, process_set))
+    """Start an allgather of each tensor; return one handle (a list)."""
+    return handles.register(submit("allgather", name, process_set, _group("allgather", _allgather_one,
+                                                                           list(tensors))))
 
 
-def _broadcast_pending(tensor, output, root_rank, name, process_set):
-    check_tensor(tensor, "broadcast")
+def _root_in_set(root_rank, process_set, who):
+    """``root_rank`` (a rank of the runtime, as Horovod's API takes it) as a rank of the set's communicator."""
     try:
         root = int(root_rank)
     except (TypeError, ValueError):
-        raise ValueError(f"broadcast: root_rank must be an int, got {root_rank!r}") from None
-    root = _root_in_set(root, process_set, "broadcast")
-    meta = (("kind", "broadcast"), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
-            ("root", root), ("device", _device(tensor)))
-    return submit("broadcast", name, process_set, meta, None, (tensor, output))
-
-
-def _root_in_set(root, process_set, who):
-    """``root`` (a rank of the runtime, as Horovod's API takes it) as a rank of the process set's communicator."""
-    ps = global_process_set if process_set is None else process_set
-    ranks = list(ps.ranks)
+        raise ValueError(f"{who}: root_rank must be an int, got {root_rank!r}") from None
+    ranks = list((global_process_set if process_set is None else process_set).ranks)
     if root not in ranks:
         raise ValueError(f"{who}: root_rank {root} is not in the process set (ranks {ranks})")
     return ranks.index(root)
 
 
+def _broadcast(tensor, root_rank, name, process_set, in_place):
+    def describe():
+        _checked(tensor, "broadcast")
+        root = _root_in_set(root_rank, process_set, "broadcast")
+        meta = (("kind", "broadcast"), ("dtype", dtype_name(tensor.dtype)), ("shape", tuple(tensor.shape)),
+                ("root", root), ("device", tensor.device.type))
+        out = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return meta, None, (tensor, out)
+    return handles.register(submit("broadcast", name, process_set, describe))
+
+
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
-    """Start copying ``root_rank``'s ``tensor`` to every rank, into a new tensor; return a handle."""
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return handles.register(_broadcast_pending(tensor, output, root_rank, name, process_set))
+    """Start copying ``root_rank``'s ``tensor`` to every rank of the set, into a new tensor; return a handle."""
+    return _broadcast(tensor, root_rank, name, process_set, in_place=False)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """Start overwriting ``tensor`` with ``root_rank``'s, in place; return a handle."""
-    return handles.register(_broadcast_pending(tensor, tensor, root_rank, name, process_set))
+    return _broadcast(tensor, root_rank, name, process_set, in_place=True)
 
 
-def alltoall_splits(tensor, splits, nranks):
-    """The rows sent to each rank, as a list, checked (ValueError) on this rank (pure)."""
-    rows = tensor.shape[0] if tensor.dim() else 0
+def alltoall_splits(rows, splits, nranks):
+    """The rows sent to each rank, as a list of ints; ValueError naming the problem (pure).
+
+    Args:
+        rows: the first dimension of the tensor sent (0 for a 0-dim tensor).
+        splits: None (equal parts), a list of ints, or an int32 tensor.
+        nranks: the number of ranks in the process set.
+    """
     if splits is None:
         if rows % nranks:
             raise ValueError(f"alltoall: the first dimension ({rows}) is not a multiple of the number of ranks "
@@ -218,51 +238,81 @@ def alltoall_splits(tensor, splits, nranks):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start sending ``splits[r]`` rows to each rank ``r``; ``synchronize`` gives (output, received splits)."""
-    check_tensor(tensor, "alltoall")
-    ps = global_process_set if process_set is None else process_set
-    sent = alltoall_splits(tensor, splits, ps.size())
-    meta = (("kind", "alltoall"), ("dtype", dtype_name(tensor.dtype)), ("trailing shape", tuple(tensor.shape[1:])),
-            ("device", _device(tensor)))
-    return handles.register(submit("alltoall", name, process_set, meta, sent, (tensor,)))
+    def describe():
+        _checked(tensor, "alltoall")
+        ps = global_process_set if process_set is None else process_set
+        sent = alltoall_splits(tensor.shape[0] if tensor.dim() else 0, splits, len(ps.ranks))
+        meta = (("kind", "alltoall"), ("dtype", dtype_name(tensor.dtype)),
+                ("trailing shape", tuple(tensor.shape[1:])), ("device", tensor.device.type))
+        return meta, sent, (tensor,)
+    return handles.register(submit("alltoall", name, process_set, describe))
 
 
-def _reducescatter_pending(tensor, name, op, process_set, prescale_factor, postscale_factor):
-    check_tensor(tensor, "reducescatter")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter: a 0-dim tensor has no rows to scatter; reshape it to (1,) or more")
-    meta = _reduce_meta("reducescatter", tensor, op, prescale_factor, postscale_factor)
-    return submit("reducescatter", name, process_set, meta, None, (tensor,))
+def _reducescatter_one(op, prescale_factor, postscale_factor):
+    def describe(tensor):
+        meta = _reduce_meta("reducescatter", tensor, op, prescale_factor, postscale_factor)
+        if tensor.dim() == 0:
+            raise ValueError("reducescatter: a 0-dim tensor has no rows to scatter; reshape it to (1,) or more")
+        return meta, None, (tensor,)
+    return describe
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
     """Start reducing ``tensor`` and giving each rank its block of rows (the first ranks one more); return a handle."""
-    return handles.register(_reducescatter_pending(tensor, name, op, process_set, prescale_factor,
-                                                   postscale_factor))
+    one = _reducescatter_one(op, prescale_factor, postscale_factor)
+    return handles.register(submit("reducescatter", name, process_set, lambda: one(tensor)))
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
-    """Start a reducescatter of each tensor; return one handle."""
-    return _grouped("reducescatter", tensors, name, lambda t, n: _reducescatter_pending(
-        t, n, op, process_set, prescale_factor, postscale_factor))
+    """Start a reducescatter of each tensor; return one handle (a list)."""
+    one = _reducescatter_one(op, prescale_factor, postscale_factor)
+    return handles.register(submit("reducescatter", name, process_set, _group("reducescatter", one,
+                                                                              list(tensors))))
 
 
 def join(device=-1):
     """Declare this rank done: until every rank has joined, it adds zeros to the others' allreduces.
 
-    Blocks until every rank has called it; returns the rank that joined
-    last, the same on every rank. While a rank is joined, ops other than
-    allreduce fail on the ranks that submit them. ``device`` is accepted for
-    Horovod's signature; the zeros go on the device the other ranks' tensors are on.
+    Collective over every rank: blocks until every rank has called it, and
+    returns the rank that joined last, the same on every rank. While a rank
+    is joined, ops other than allreduce fail on the ranks that submit them.
+    ``device`` is accepted for Horovod's signature; the zeros go on the
+    device the other ranks' tensors are on.
     """
-    from .negotiation import JOIN
-
-    pending = submit("join", JOIN, None, (("kind", "join"),), None, (), exact=True)
+    pending = submit("join", JOIN, None, lambda: ((("kind", "join"),), None, ()), exact=True)
     return handles.synchronize(handles.register(pending))
 
 
 def barrier(process_set=global_process_set):
-    """Wait until every rank of the process set has reached the barrier."""
-    pending = submit("barrier", None, process_set, (("kind", "barrier"),), None, ())
+    """Wait until every rank of the process set has reached the barrier (collective over the set)."""
+    pending = submit("barrier", None, process_set, lambda: ((("kind", "barrier"),), None, ()))
     handles.synchronize(handles.register(pending))
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Start recording every op this rank runs; ``stop_timeline`` writes them to ``file_path`` (collective)."""
+    from ..training.timeline import Timeline
+
+    engine = runtime.current().engine
+    engine.timeline = Timeline(runtime.rank())
+    engine.timeline_path = str(file_path)
+
+
+def stop_timeline():
+    """Stop recording; rank 0 writes every rank's ops to the path given to ``start_timeline`` (collective)."""
+    from ..training.timeline import Timeline
+
+    engine = runtime.current().engine
+    timeline, path = engine.timeline, engine.timeline_path
+    engine.timeline = None
+    events = timeline.events if timeline is not None else []
+
+    def gather(comm):
+        everyone = comm.gather(events, root=0)
+        if comm.Get_rank() == 0 and path:
+            Timeline.write(path, everyone)
+        return True
+
+    engine.call("stop_timeline", gather)

@@ -64,7 +64,8 @@ import warnings
 
 import torch
 
-from . import runtime, scope
+from . import process_sets as scope
+from . import runtime
 from .buckets import GradientBuckets, match_problem, wire_dtype
 from .errors import CollectiveMismatchError
 from .functions import allgather_object

@@ -1,29 +1,35 @@
-"""Horovod's basics: ``init``, ``rank``, ``size`` and where this rank sits.
+"""Horovod's basics: ``init``, ``shutdown``, ``rank``, ``size`` and where this rank sits.
 
 ``init`` learns the rank's place from ringtrain's topology
-(:class:`ringtrain.cluster.topology.TaskSpec`), once: Horovod's API is a
-module-level runtime that every call consults, so this module keeps one
-(:func:`current`), made by :func:`init` and dropped by :func:`shutdown`.
+(:class:`ringtrain.cluster.topology.TaskSpec`), once, and builds, in plain
+sight, what runs the collectives: the process sets and their communicators
+(:class:`~ringtrain.torch.process_sets.ProcessSets`) and the engine
+(:class:`~ringtrain.torch.engine.Engine`, whose docstring is the contract).
+Horovod's API is a module-level runtime that every call consults, so this
+module keeps one (:func:`current`), made by :func:`init` and dropped by
+:func:`shutdown`.
 
-Collective: every rank of the communicator must call :func:`init`.
+Collective: every rank of the communicator must call :func:`init`, and
+:func:`shutdown` (it runs at exit too).
 """
 
+import atexit
+import sys
 import threading
 
 from .. import backend
 from ..cluster.topology import TaskSpec, node_layout
+from .engine import Engine
+from .process_sets import ProcessSets, add_process_set
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
            "cross_rank", "is_homogeneous", "mpi_threads_supported", "communicator", "current", "Runtime",
            "cross_layout", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-           "ccl_built", "cuda_built", "rocm_built", "start_hook", "ready_hook", "stop_hook"]
+           "ccl_built", "cuda_built", "rocm_built"]
 
 _lock = threading.Lock()
 _runtime = None
-# Callables run with the Runtime after init (the engine starts here) and before shutdown.
-_start_hooks, _stop_hooks = [], []
-# Callables run with the Runtime once init has made it current (process sets given to init are added here).
-_ready_hooks = []
+_at_exit = []  # whether shutdown is registered with atexit (once per process, after MPI's own)
 
 
 def cross_layout(hosts):
@@ -42,13 +48,13 @@ def cross_layout(hosts):
 
 
 class Runtime:
-    """This process's place in the job and the communicator Horovod's calls run over."""
+    """This process's place in the job, the communicator Horovod's calls run over, its sets and its engine."""
 
     def __init__(self, comm, owned):
         from mpi4py import MPI
 
         self.comm = comm
-        self.owned = owned  # made by init from a list of ranks: freed at shutdown
+        self.owned = owned  # made by init from a list of ranks (left, as every communicator, to MPI_Finalize)
         self.spec = TaskSpec.from_mpi(comm)
         cross_rank, cross_size = cross_layout(self.spec.hosts)
         self.cross_rank, self.cross_size = cross_rank[self.spec.rank], cross_size[self.spec.rank]
@@ -57,7 +63,9 @@ class Runtime:
             per_host[host] = per_host.get(host, 0) + 1
         self.homogeneous = len(set(per_host.values())) == 1
         self.threads_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self.extras = {}  # what the engine and the process sets keep on the runtime
+        self.sets = None
+        self.engine = None
+        self.previous_hook = self.hook = None
 
 
 def _communicator_from(comm):
@@ -98,45 +106,42 @@ def init(comm=None, process_sets=None):
             return
         communicator_, owned = _communicator_from(comm)
         runtime = Runtime(communicator_, owned)
-        runtime.extras["initial_sets"] = list(process_sets or [])
-        for hook in _start_hooks:
-            hook(runtime)
+        if not runtime.threads_multiple and runtime.spec.size > 1:
+            raise ValueError("ringtrain.torch needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
+                             "from more than one thread; do not lower mpi4py.rc.thread_level")
+        runtime.sets = ProcessSets(communicator_)
+        runtime.engine = Engine(communicator_, runtime.sets)
+        runtime.sets.engine = runtime.engine
+        # An uncaught exception must end the job, not leave the other ranks waiting on this one.
+        runtime.previous_hook = sys.excepthook
+        sys.excepthook = runtime.hook = runtime.engine.excepthook(sys.excepthook)
+        if not _at_exit:
+            atexit.register(shutdown)  # runs before mpi4py's MPI_Finalize, which was registered first
+            _at_exit.append(True)
         _runtime = runtime
-    for hook in _ready_hooks:
-        hook(runtime)
+    for ps in process_sets or []:
+        add_process_set(ps)
 
 
 def shutdown():
-    """Stop the runtime: finish the background thread and forget the communicator (no-op if not started)."""
+    """Stop the runtime: fail what is pending and tell the other ranks (no-op if not started).
+
+    Ops still pending here, and ops any rank submits after this, fail, as in
+    Horovod. It never waits for another rank to shut down.
+    """
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None
     if runtime is None:
         return
-    for hook in reversed(_stop_hooks):
-        hook(runtime)
-    if runtime.owned:
-        runtime.comm.Free()
+    from mpi4py import MPI
 
-
-def start_hook(fn):
-    """Run ``fn(runtime)`` at every :func:`init` (and now, if started); for the engine and process sets."""
-    _start_hooks.append(fn)
-    if _runtime is not None:
-        fn(_runtime)
-    return fn
-
-
-def ready_hook(fn):
-    """Run ``fn(runtime)`` at the end of every :func:`init`, once the runtime is current."""
-    _ready_hooks.append(fn)
-    return fn
-
-
-def stop_hook(fn):
-    """Run ``fn(runtime)`` at every :func:`shutdown`."""
-    _stop_hooks.append(fn)
-    return fn
+    if MPI.Is_finalized():
+        return
+    runtime.engine.shutdown()
+    runtime.sets.close()  # (no communicator is freed here: process_sets says why)
+    if sys.excepthook is runtime.hook:
+        sys.excepthook = runtime.previous_hook
 
 
 def is_initialized():

@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm import allreduce
-from . import scope
+from . import process_sets as scope
 from .interop import as_array, as_tensor
 
 __all__ = ["SyncBatchNorm"]

@@ -20,12 +20,24 @@ pytest.importorskip("torch", reason="torch is not installed (pip install torch==
 PROGRAM = os.path.join(ROOT, "tests", "cli", "programs", "hvd_disagree.py")
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "op", "root", "trailing"])
-def test_ranks_that_disagree_all_raise_and_stay_in_step(case):
+def mpmd(case):
     command = [find_mpirun(), "-np", "1", sys.executable, PROGRAM, case, "a", ":",
                "-np", "1", sys.executable, PROGRAM, case, "b"]
-    result = run(command, timeout=120, env=mpirun.test_env())
+    return run(command, timeout=120, env=mpirun.test_env())
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "op", "root", "trailing", "kind", "set", "grouped", "splits",
+                                  "large"])
+def test_ranks_that_disagree_all_raise_and_stay_in_step(case):
+    result = mpmd(case)
     assert result.returncode == 0, show(result)
     # mpiexec may join the two ranks' lines: count the verdicts, not the lines.
     assert re.findall(r"\bok\b|mismatch: ", result.stdout) == ["mismatch: ", "mismatch: "], show(result)
     assert re.findall(r"level|out of step", result.stdout) == ["level", "level"], show(result)
+
+
+def test_ranks_that_pass_the_same_nan_factor_agree():
+    result = mpmd("nan")
+    assert result.returncode == 0, show(result)
+    # mpiexec may join the two ranks' lines ("okok"): count them, and see that nothing failed.
+    assert result.stdout.count("ok") == 2 and "mismatch" not in result.stdout, show(result)

@@ -9,6 +9,7 @@ must be equal, not close. Skipped where torch is not installed.
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -148,9 +149,9 @@ def test_alltoall_with_uneven_splits(dtype):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int64, torch.float16, torch.float32], ids=str)
-def test_reducescatter_with_uneven_rows(dtype):
+def test_reducescatter_with_even_and_uneven_rows(dtype):
     rank, size = COMM.Get_rank(), COMM.Get_size()
-    for rows in (1, 2 * size + 1):
+    for rows in (1, 2 * size, 2 * size + 1):
         tensor, values = _data((rows, 2), dtype, seed=rank + rows)
         start, count = scatter_rows(rows, size)[rank]
         total = _everyone(values).sum(0)
@@ -199,6 +200,19 @@ def test_many_small_async_allreduces_fuse_and_each_gets_its_own_result():
         pending.append((hvd.allreduce_async(tensor, op=hvd.Sum), values))
     for handle, values in pending:
         np.testing.assert_array_equal(hvd.synchronize(handle).numpy(), _everyone(values).sum(0))
+
+
+@pytest.mark.mpi
+def test_many_async_collectives_of_different_shapes_fuse_and_each_gets_its_own_result():
+    # Large enough to be collectives (ordered by the leader) rather than computed on the spot.
+    rank = COMM.Get_rank()
+    pending = []
+    for i in range(12):
+        tensor, values = _data((3000 + 7 * i,), torch.float64, seed=rank * 1000 + i)
+        pending.append((hvd.allreduce_async(tensor, op=hvd.Sum if i % 2 else hvd.Average), values, i))
+    for handle, values, i in pending:
+        want = _everyone(values).sum(0) / (1 if i % 2 else COMM.Get_size())
+        np.testing.assert_array_equal(hvd.synchronize(handle).numpy(), want, err_msg=str(i))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -263,6 +277,33 @@ def test_a_name_in_flight_twice_raises_value_error_on_that_rank():
 
 
 @pytest.mark.mpi
+def test_a_dropped_handle_frees_its_name_once_its_op_is_done():
+    hvd.allreduce_async(torch.ones(3), name="dropped")  # its handle is never synchronized
+    # The op completes on the engine's own thread; until then the name is in flight (ValueError, nothing sent).
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="dropped")
+            break
+        except ValueError:
+            assert time.monotonic() < deadline, "the dropped handle's name was never freed"
+            time.sleep(0.01)
+    np.testing.assert_array_equal(got.numpy(), np.full(3, float(COMM.Get_size())))
+
+
+@pytest.mark.mpi
+def test_a_collective_in_place_on_a_parameter_under_no_grad_runs_on_any_thread():
+    # Large enough to be a collective; synchronized late, so the engine's own thread may run it.
+    size = COMM.Get_size()
+    p = torch.nn.Parameter(torch.full((5000,), float(COMM.Get_rank())))
+    with torch.no_grad():
+        handle = hvd.allreduce_async_(p, name="param")  # an average: the sum is divided in place
+    time.sleep(0.05)
+    assert hvd.synchronize(handle) is p
+    np.testing.assert_array_equal(p.detach().numpy(), np.full(5000, sum(range(size)) / size))
+
+
+@pytest.mark.mpi
 def test_adasum_raises_not_implemented_on_every_rank():
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(4), op=hvd.Adasum)
@@ -305,6 +346,19 @@ def test_a_joined_rank_adds_zeros_and_join_returns_the_last_rank_everywhere():
     if rank:
         np.testing.assert_array_equal(got.numpy(), np.sum(contributions, axis=0))
     assert last != 0 and COMM.allgather(last) == [last] * size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_while_a_rank_is_joined_other_ops_fail_at_once_even_unnamed_and_out_of_step():
+    # Horovod's pattern: each rank in turn joins first; the others' unnamed allgathers fail at once, although
+    # their per-kind counters no longer agree with the joined rank's (it made no allgather that round).
+    rank, size = COMM.Get_rank(), COMM.Get_size()
+    for first in range(size):
+        if rank != first:
+            with pytest.raises(RuntimeError, match="joined"):
+                hvd.allgather(torch.ones(3, 2))
+        last = hvd.join()
+        assert last != first and COMM.allgather(last) == [last] * size
 
 
 @pytest.mark.mpi(min_size=2)

@@ -598,16 +598,12 @@ def test_a_sparse_tensor_is_refused_with_the_fix():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="engine: negotiation.first_difference compares a NaN factor unequal to itself")
 def test_nan_factors_on_every_rank_are_not_a_mismatch():
     out = hvd.allreduce(torch.ones(3), prescale_factor=float("nan"), name="nan-prescale")
     assert torch.isnan(out).all()
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="engine: its thread scales in-place outputs under autograd, without the caller's no_grad")
 def test_async_in_place_ops_take_a_parameter_under_no_grad():
     p = torch.nn.Parameter(torch.full((3,), float(rank)))
     with torch.no_grad():  # an average: the engine scales the sum in place

@@ -1,0 +1,126 @@
+"""One rank of a ringtrain.torch job in which one rank fails, leaves or lags (tests/cli/test_hvd_failures.py).
+
+    python hvd_failures.py CASE
+
+CASE is what rank 1 does while the others submit the op ``loss``:
+
+* ``raise``: raises an uncaught exception;
+* ``exit``: calls ``sys.exit(3)``;
+* ``kill``: kills itself with SIGKILL;
+* ``shutdown``: calls ``hvd.shutdown()`` and then waits for word from rank 0 (every rank first submits
+  ``mine``, an op no other rank submits, and synchronizes it after its own shutdown);
+* ``stall``: arrives 20 s late (Horovod's test_stall: check 2 s, shut down 5 s);
+* ``bound``: never arrives (the job runs under ``RINGTRAIN_TIMEOUT``);
+* ``set-stall``: ranks 1 and 2 make a process set, and rank 2 is 4 s late to its op (check 1 s).
+
+Every other rank prints one line per op: ``<op> failed: <message>`` or
+``<op> ok``. In ``stall`` each waiting rank, once its op has failed, tells
+rank 1 over MPI; rank 1 prints whether that word came before it arrived.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+import ringtrain.torch as hvd
+
+WORD = 77  # the tag of the waiting ranks' word to rank 1
+
+
+def attempt(what, fn):
+    try:
+        fn()
+        print(f"rank {hvd.rank()}: {what} ok", flush=True)
+        return True
+    except hvd.HorovodInternalError as exc:
+        print(f"rank {hvd.rank()}: {what} failed: {exc}", flush=True)
+        return False
+
+
+def late_rank(case):
+    if case == "raise":
+        raise RuntimeError("boom on purpose")
+    if case == "exit":
+        sys.exit(3)
+    if case == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if case == "shutdown":
+        hvd.shutdown()
+        report_mine()
+        MPI.COMM_WORLD.recv(source=0, tag=WORD)  # stays alive until rank 0 has seen its ops fail
+        return
+    if case == "stall":
+        comm = MPI.COMM_WORLD
+        early = comm.Iprobe(source=MPI.ANY_SOURCE, tag=WORD)
+        deadline = time.monotonic() + 20
+        while not early and time.monotonic() < deadline:
+            time.sleep(0.1)
+            early = comm.Iprobe(source=MPI.ANY_SOURCE, tag=WORD)
+        attempt("loss", lambda: hvd.allreduce(torch.ones(2), name="loss"))
+        # Every waiting rank's word is received (MPICH ends a job whose ranks exit with a probed message unread).
+        words = [comm.recv(source=r, tag=WORD) for r in range(comm.Get_size()) if r != 1]
+        print(f"rank 1: {'a peer failed before I arrived' if early and all(words) else 'no word before I arrived'}",
+              flush=True)
+        return
+    time.sleep(120)  # bound: never arrives
+
+
+MINE = []
+
+
+def report_mine():
+    """``mine`` was pending when this rank shut down (or a peer did): synchronizing it must raise, not wait."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        hvd.synchronize(MINE[0])
+        print(f"rank {rank}: mine ok", flush=True)
+    except hvd.HorovodInternalError as exc:
+        print(f"rank {rank}: mine failed: {exc}", flush=True)
+
+
+def set_stall():
+    """Ranks 1 and 2 form a set; rank 2 comes 4 s late; rank 0, outside it, waits for word in plain MPI."""
+    subset = hvd.add_process_set([1, 2])
+    if hvd.rank() == 0:
+        MPI.COMM_WORLD.recv(source=1, tag=WORD)
+        return
+    if hvd.rank() == 2:
+        time.sleep(4)
+    attempt("in-set", lambda: hvd.allreduce(torch.ones(2), name="in-set", process_set=subset))
+    if hvd.rank() == 1:
+        MPI.COMM_WORLD.send(True, dest=0, tag=WORD)
+
+
+def main(case):
+    if case == "stall":
+        os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="5")
+    if case == "set-stall":
+        os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS="1")
+    hvd.init()
+    if case == "set-stall":
+        return set_stall()
+    hvd.allreduce(torch.ones(2), name="warm-up")
+    if case == "shutdown":  # a name of each rank's own: it never completes
+        MINE.append(hvd.allreduce_async(torch.ones(2), name=f"mine.{hvd.rank()}"))
+    if hvd.rank() == 1:
+        late_rank(case)
+        return
+    pending = hvd.allreduce_async(torch.ones(2), name="pending")  # rank 1 never submits this one
+    failed = not attempt("loss", lambda: hvd.allreduce(torch.ones(2), name="loss"))
+    attempt("pending", lambda: hvd.synchronize(pending))
+    attempt("later", lambda: hvd.allreduce(torch.ones(2), name="later"))
+    if case == "stall":
+        MPI.COMM_WORLD.send(failed, dest=1, tag=WORD)
+    if case == "shutdown":
+        if hvd.rank() == 0:
+            MPI.COMM_WORLD.send(True, dest=1, tag=WORD)
+        hvd.shutdown()
+        report_mine()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,199 @@
+"""The pure parts of ringtrain.torch's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ringtrain.errors import UsageError
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+from ringtrain.torch import kernels  # noqa: E402 - after the importorskip above
+from ringtrain.torch.engine import stall_times  # noqa: E402
+from ringtrain.torch.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
+                                         first_difference, join_blocks, same_value, stall_report, verdict)
+from ringtrain.torch.ops_async import alltoall_splits  # noqa: E402
+
+MEMBERS = (0, 1, 2)
+
+
+def reduction(shape=(4,), dtype="float32", op="sum", prescale=1.0, kind="allreduce"):
+    return (("kind", kind), ("dtype", dtype), ("shape", shape), ("op", op), ("prescale", prescale),
+            ("postscale", 1.0), ("device", "cpu"))
+
+
+def announced(*metas, data=None):
+    return {r: (m, None, data) for r, m in zip(MEMBERS, metas)}
+
+
+def test_every_rank_reaches_the_same_verdict_and_the_first_field_that_differs_is_named():
+    v = verdict("allreduce.x", MEMBERS, announced(reduction(), reduction(), reduction(shape=(5,))))
+    assert v.action == FAIL and v.mismatch
+    assert v.error == ("allreduce 'x': ranks submitted different shape: (4,) and (5,); every rank must submit the "
+                       "same op under one name")
+    assert "dtype: float32 and float64" in verdict("allreduce.x", MEMBERS, announced(
+        reduction(), reduction(dtype="float64"), reduction())).error
+
+
+def test_ranks_that_all_pass_nan_agree_and_nan_against_a_number_does_not():
+    nan = float("nan")
+    assert verdict("allreduce.x", MEMBERS, announced(*[reduction(prescale=float("nan")) for _ in MEMBERS])).action \
+        == ORDERED
+    assert same_value(nan, float("nan")) and same_value((1, (nan,)), (1, (float("nan"),)))
+    assert not same_value(nan, 1.0)
+    assert first_difference([reduction(prescale=nan), reduction(prescale=2.0)]) == "prescale: nan and 2.0"
+
+
+def test_small_ops_whose_data_came_with_them_are_computed_on_the_spot_and_the_rest_are_ordered():
+    meta = reduction()
+    assert verdict("allreduce.x", MEMBERS, announced(meta, meta, meta, data=b"1234")).action == LOCAL
+    assert verdict("allreduce.x", MEMBERS, announced(meta, meta, meta)).action == ORDERED
+    barrier = (("kind", "barrier"),)
+    assert verdict("barrier.b", MEMBERS, announced(barrier, barrier, barrier)).action == LOCAL
+    bcast = (("kind", "broadcast"), ("dtype", "float32"), ("shape", (2,)), ("root", 2), ("device", "cpu"))
+    by_rank = announced(bcast, bcast, bcast)
+    assert verdict("broadcast.b", MEMBERS, by_rank).action == ORDERED
+    by_rank[2] = (bcast, None, b"12345678")  # the root's data came with its announcement
+    assert verdict("broadcast.b", MEMBERS, by_rank).action == LOCAL
+
+
+def test_a_refusal_and_a_joined_rank_decide_the_verdict_for_everyone():
+    refused = (("kind", "alltoall"), ("refused", "alltoall: splits must hold 3 counts"))
+    meta = (("kind", "alltoall"), ("dtype", "float32"), ("trailing shape", ()), ("device", "cpu"))
+    v = verdict("alltoall.x", MEMBERS, announced(meta, refused, meta))
+    assert v.action == FAIL and v.error == "alltoall 'x': rank 1 refused it: alltoall: splits must hold 3 counts"
+    v = verdict("allreduce.x", MEMBERS, announced(reduction(), JOINED, reduction(), data=b"data"))
+    assert v.action == LOCAL and v.joined == (1,)
+    v = verdict("allgather.x", MEMBERS, announced(meta, JOINED, meta))
+    assert v.action == FAIL and "rank(s) [1] have joined" in v.error
+
+
+def test_grouped_ops_differ_by_length_then_by_tensor():
+    one = (("kind", "allreduce"), ("parts", (reduction(), reduction())))
+    three = (("kind", "allreduce"), ("parts", (reduction(), reduction(), reduction())))
+    assert first_difference([one, three]) == "grouped length: 2 and 3"
+    other = (("kind", "allreduce"), ("parts", (reduction(), reduction(shape=(9,)))))
+    assert first_difference([one, other]) == "tensor 1 shape: (4,) and (9,)"
+
+
+def test_the_board_completes_an_op_when_every_member_has_announced_it_and_queues_the_next_of_that_name():
+    board = Board(MEMBERS)
+    assert not board.add(0, "allreduce.x", ("m", None, None), now=0.0)
+    assert not board.add(1, "allreduce.x", ("m", None, None), now=1.0)
+    # Rank 1 has finished this op already (a small op) and announces the name again: it waits its turn.
+    assert not board.add(1, "allreduce.x", ("second", None, None), now=2.0)
+    assert board.waiting(now=5.0) == [("allreduce.x", 5.0, [2])]
+    assert board.add(2, "allreduce.x", ("m", None, None), now=3.0)
+    assert [a[0] for a in board.announcements("allreduce.x").values()] == ["m", "m", "m"]
+    assert not board.take("allreduce.x", now=4.0)
+    assert board.announcements("allreduce.x") == {1: ("second", None, None)}
+
+
+def test_unnamed_ops_are_counted_per_process_set_and_kind():
+    names = Names()
+    assert [names.next(0, "allreduce"), names.next(0, "allreduce"), names.next(1, "allreduce"),
+            names.next(0, "broadcast")] == ["noname.0", "noname.1", "noname.0", "noname.0"]
+
+
+def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_conflict_once_it_lingers():
+    waiting = [("allreduce.x", 2.0, [1]), ("allreduce.y", 2.0, [1]), ("allreduce.z", 0.1, [1])]
+    reports = {1: [(0, "allgather.x"), (3, "allreduce.y"), (0, "allgather.z")]}
+    found = dict(conflicts(0, waiting, reports, probe_s=1.0))
+    assert set(found) == {"allreduce.x", "allreduce.y"}  # z has not waited long enough to tell
+    assert "rank 1 submitted it as allgather on process set 0" in found["allreduce.x"]
+    assert "rank 1 submitted it as allreduce on process set 3, not allreduce on process set 0" in found["allreduce.y"]
+
+
+def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
+    waiting = [("barrier.noname.0", 5.0, [0, 2])]
+    assert conflicts(0, waiting, {2: [(1, "barrier.noname.0")]}, probe_s=1.0) == []
+
+
+def test_only_allreduces_wait_for_a_rank_that_has_joined():
+    gather = (("kind", "allgather"),)
+    assert join_blocks("allgather.x", [1], {0: (gather, None, None)}) == [1]  # rank 1 never will
+    assert join_blocks("allgather.x", [1], {0: (gather, None, None), 1: (gather, None, None)}) is None
+    assert join_blocks("allreduce.x", [1], {0: (reduction(), None, None)}) is None  # rank 1 adds zeros
+    assert join_blocks("allgather.x", [], {0: (gather, None, None)}) is None
+
+
+def test_horovods_stall_warning_names_the_missing_ranks_and_marks_those_past_the_shutdown_time():
+    waiting = [("allreduce.a", 3.0, [2]), ("allreduce.b", 7.0, [1, 2]), ("allreduce.c", 0.5, [1])]
+    message, shut_down = stall_report(0, MEMBERS, waiting, warn_s=2.0, shutdown_s=0.0)
+    assert not shut_down and "Missing ranks:\n1: [allreduce.b]\n2: [allreduce.a, allreduce.b]" in message
+    message, shut_down = stall_report(0, MEMBERS, waiting, warn_s=2.0, shutdown_s=5.0)
+    assert shut_down and "1!: [allreduce.b]" in message and "Will shutdown" in message
+    assert stall_report(0, MEMBERS, waiting[2:], warn_s=2.0, shutdown_s=5.0) == (None, False)
+
+
+def test_stall_variables_parse_as_horovods_and_bad_values_are_one_line_errors(capsys):
+    assert stall_times({}) == (60.0, 0.0)
+    assert stall_times({"HOROVOD_STALL_CHECK_DISABLE": "1"}) == (None, 0.0)
+    assert stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}) \
+        == (2.0, 5.0)
+    assert stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "9", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}) \
+        == (9.0, 0.0)
+    assert "will not shutdown" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='soon': must be a number of seconds"):
+        stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "soon"})
+
+
+def test_alltoall_splits_are_checked_on_the_rank_that_passes_them():
+    assert alltoall_splits(6, None, 3) == [2, 2, 2]
+    assert alltoall_splits(6, torch.tensor([0, 5, 1], dtype=torch.int32), 3) == [0, 5, 1]
+    assert alltoall_splits(6, [1, 1, 0], 3) == [1, 1, 0]  # rows left over stay behind
+    for rows, splits, message in [(7, None, "not a multiple"), (6, torch.ones(3), "int32"),
+                                  (6, [1, 1], "3 counts of at least 0"), (6, [-1, 1, 1], "3 counts"),
+                                  (2, [1, 1, 1], "more than the first dimension")]:
+        with pytest.raises(ValueError, match=message):
+            alltoall_splits(rows, splits, 3)
+
+
+def test_tensors_no_collective_takes_are_named_in_one_line():
+    assert kernels.check_tensor(torch.ones(2), "allreduce") is None
+    assert "expected a torch.Tensor, got list" in kernels.check_tensor([1.0], "allreduce")
+    assert "complex64 is not supported" in kernels.check_tensor(torch.ones(2, dtype=torch.complex64), "allreduce")
+    assert "sparse tensor" in kernels.check_tensor(torch.ones(2).to_sparse(), "allreduce")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+                                   torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize("op", ["sum", "average", "min", "max", "product"])
+def test_a_small_op_computed_on_the_spot_matches_a_reference_reduction(dtype, op):
+    rng = np.random.default_rng(3)
+    values = [rng.integers(0 if dtype in (torch.uint8, torch.bool) else -3, 4, size=5) for _ in range(3)]
+    inputs = [torch.tensor(v).to(dtype) for v in values]
+    meta = reduction(shape=(5,), dtype=kernels.dtype_name(dtype), op=op)
+    out = torch.empty(5, dtype=dtype)
+    # Rank 1's input arrives as raw bytes, as it would from another rank.
+    got = kernels.reduce_locally(meta, [inputs[0], kernels.raw_bytes(inputs[1]), inputs[2]], out)
+    assert got is out
+    stacked = np.stack([v.astype(np.float64) for v in values])
+    if dtype == torch.bool:
+        want = stacked.any(0) if op in ("sum", "average", "max") else stacked.all(0)
+    else:
+        want = {"sum": stacked.sum(0), "min": stacked.min(0), "max": stacked.max(0), "product": stacked.prod(0),
+                "average": stacked.sum(0) / 3}[op]
+        if op == "average" and not dtype.is_floating_point:
+            want = np.trunc(want)  # integers are averaged in float64 and truncated, as Horovod does
+        if op == "average" and dtype in (torch.float32, torch.float64):
+            kind = np.float32 if dtype == torch.float32 else np.float64
+            want = stacked.sum(0).astype(kind) / kind(3)  # the sum, then one division in the dtype
+    # Half precision divides before the sum (so the sum cannot overflow): equal to about its precision.
+    half = dtype in (torch.float16, torch.bfloat16) and op == "average"
+    np.testing.assert_allclose(got.to(torch.float64).numpy(), want, rtol=1e-2 if half else 0)
+
+
+def test_the_fast_sum_gives_the_bits_of_summing_in_member_order():
+    rng = np.random.default_rng(0)
+    inputs = [torch.tensor(rng.standard_normal(64), dtype=torch.float32) for _ in range(4)]
+    out = inputs[2]  # in place, in the middle: its own value must be read before it is overwritten
+    want = ((inputs[0] + inputs[1] + inputs[2].clone() + inputs[3]) / 4).numpy()
+    got = kernels.reduce_locally(reduction(shape=(64,), op="average"), list(inputs), out)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_fusion_keys_treat_nan_factors_alike():
+    assert kernels.fuse_key(reduction(prescale=float("nan"))) == kernels.fuse_key(reduction(prescale=math.nan))
+    assert kernels.fuse_key(reduction(shape=(3,))) == kernels.fuse_key(reduction(shape=(9,)))
