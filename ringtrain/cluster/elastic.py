@@ -273,7 +273,9 @@ def _run(launcher, np, env):
             if forwarder.asked_to_checkpoint:
                 launcher.say(not_restarted_line(status).split(": ", 1)[1] + _kept(launcher))
                 return status
-            planned = watch.asked and status in (RESTART_STATUS, 128 + signal.SIGUSR1)
+            # A stop the launcher asked for: a commit's 75, or SIGUSR1's end, which MPICH's mpiexec
+            # reports as the bare signal number for a rank that never started MPI.
+            planned = watch.asked and status in (RESTART_STATUS, signal.SIGUSR1, 128 + signal.SIGUSR1)
             if not planned:
                 failed = report_failure(launcher.plan.logdir, launcher.stderr) if launcher.plan.logdir else \
                     first_failed(read_exit_records(launcher.records))

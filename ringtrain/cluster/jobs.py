@@ -421,6 +421,7 @@ def format_command(args, env=None):
     return " ".join(prefix + [shlex.quote(a) for a in args])
 
 
+# Below this much free space, not even the ranks' first lines fit in their logs.
 MIN_LOG_SPACE = 64 * 1024
 
 

@@ -216,11 +216,6 @@ def launch_command(np, command, *, mpirun, flavour, hostfile=None, hosts=None, l
     return args + list(command), _root_env(flavour)
 
 
-
-
-
-
-
 # --- the plan: everything decided before anything is written or started --------
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +326,6 @@ def check_logdir(logdir):
                          "could not be written; free some space or choose another log directory")
 
 
-# Below this much free space, not even the ranks' first lines fit in their logs.
 def check_runnable(command, path=None):
     """Refuse a command this host cannot run, before mpiexec is started.
 

@@ -162,3 +162,27 @@ def test_ringtrain_train_resumes_at_the_size_the_hosts_allow(tmp_path):
 
     _, meta = load_checkpoint(str(run_dir))
     assert meta["world_size"] == 1 and meta["epoch"] == 12, meta
+
+
+def test_a_plain_program_stopped_for_a_host_change_is_restarted_not_blamed(tmp_path):
+    # A program that neither uses hvd.elastic nor starts MPI is stopped with SIGUSR1 when the hosts
+    # change; MPICH's mpiexec reports such a rank as status 10 (the bare signal), not 138.
+    hosts, done = tmp_path / "hosts", tmp_path / "done"
+    hosts.write_text("localhost:2\n")
+    program = f"test -e {done} && exit 0; touch {done}; sleep 60"
+    proc = subprocess.Popen(elastic_launch(hosts, "-np", "2", "--min-np", "1", "--", "sh", "-c", program),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT,
+                            start_new_session=True)
+    deadline = time.time() + 30
+    while not done.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    hosts.write_text("localhost:1\n")
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        raise AssertionError(f"the launch did not end\n{err}") from None
+    assert proc.returncode == 0, err
+    assert "the job exited with status" not in err, err
+    assert "restarting 1 rank(s) on localhost:1" in err, err
