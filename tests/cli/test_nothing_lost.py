@@ -134,7 +134,7 @@ def test_a_data_file_cut_short_under_a_running_job_does_not_end_it(tmp_path, ran
     # With its own test split each rank's training rows are one slice of x.npy: a view of the map, unless copied.
     np.save(data / "x_test.npy", rng.normal(size=(100, 8)).astype(np.float32))
     np.save(data / "y_test.npy", rng.integers(0, 3, size=100))
-    args = rt("train", "--dataset", str(data), "--hidden", "8", "--batch-size", "8", "--epochs", "200",
+    args = rt("train", "--dataset", str(data), "--hidden", "8", "--batch-size", "8", "--epochs", "100000",
               "--max-time", "6", "--no-progress", "--run-dir", str(tmp_path / "run"))
     proc = subprocess.Popen(mpirun_command(ranks, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=job_env(), start_new_session=True)
