@@ -352,7 +352,10 @@ def report_failure(logdir, stderr):
 
 
 def report_success(logdir, stderr, lines=5):
-    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went)."""
+    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went).
+
+    When the logs' file system is full, say that they are cut short.
+    """
     path = os.path.join(logdir, "rank-0.log")
     try:
         tail = last_run(read_tail(path)).splitlines()[-lines:]
@@ -363,6 +366,9 @@ def report_success(logdir, stderr, lines=5):
           file=stderr)
     for line in tail:
         print("    " + _cut(line), file=stderr)
+    full = _full_disk_line(logdir)  # else the lines above pass for the job's last ones
+    if full:
+        print(full, file=stderr)
     stderr.flush()
 
 

@@ -143,11 +143,20 @@ def _full_tmpfs():
     return where
 
 
-def test_a_full_disk_under_o_is_named_before_the_start_and_after_a_failure(tmp_path):
+def test_a_full_disk_under_o_is_named_before_the_start_after_a_success_and_after_a_failure(tmp_path):
     where = _full_tmpfs()
     if where is None:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
+        # Fills up while a job that succeeds runs: the lines shown from its log are not its last ones.
+        result = run(ringtrain("launch", "-np", "2", "-o", os.path.join(where, "ok"), "--", "sh", "-c",
+                               "head -c 400000 /dev/zero | tr '\\0' x; echo; echo done; exit 0"), timeout=60)
+        assert result.returncode == 0 and "the job finished (exit status 0)" in result.stderr, show(result)
+        assert result.stderr.rstrip().splitlines()[-1].startswith(
+            f"ringtrain launch: the file system of {where}/ok is full (0 bytes free): the ranks' output there is "
+            "cut short"), show(result)
+        for name in os.listdir(os.path.join(where, "ok")):
+            os.remove(os.path.join(where, "ok", name))
         # Fills up while the job runs: the report says why the logs are cut short.
         result = run(ringtrain("launch", "-np", "2", "-o", os.path.join(where, "logs"), "--", "sh", "-c",
                                "head -c 400000 /dev/zero | tr '\\0' x; echo; echo done"), timeout=60)
