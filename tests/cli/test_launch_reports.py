@@ -1,5 +1,5 @@
 """What ``ringtrain launch`` says and does at the edges: a rank killed by SIGKILL, a full disk, a user's SIGUSR1,
-the last restart, an IPv6 host, a job that succeeds under ``-o``.
+the last restart, an IPv6 host, a job that succeeds under ``-o``, an earlier job's logs in the same ``-o``.
 
 Every job runs under real mpirun with a time bound.
 """
@@ -108,6 +108,21 @@ def test_the_launcher_says_it_gave_up_after_the_last_restart(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "ringtrain launch: gave up: the job failed again (status 3) after 1 restart(s), as many as --restarts "
         "allows; fix the failure above, or give a larger --restarts"), show(result)
+
+
+def test_a_report_under_o_blames_this_jobs_rank_not_an_earlier_larger_jobs_log(tmp_path):
+    logs = tmp_path / "logs"
+    earlier = run(ringtrain("launch", "-np", "3", "-o", str(logs), "--", "sh", "-c",
+                            '[ "$PMI_RANK" = 2 ] && echo "Traceback (most recent call last):" && exit 1; exit 0'),
+                  timeout=60)
+    assert earlier.returncode != 0 and "last 1 line(s) of " + f"{logs}/rank-2.log" in earlier.stderr, show(earlier)
+    # The same -o, 2 ranks: rank 0 fails. rank-2.log and its traceback are the earlier job's.
+    result = run(ringtrain("launch", "-np", "2", "-o", str(logs), "--", "sh", "-c",
+                           '[ "$PMI_RANK" = 0 ] && echo "rank 0 ran out" && exit 1; sleep 1'), timeout=60)
+    assert result.returncode != 0, show(result)
+    assert f"ringtrain launch: last 1 line(s) of {logs}/rank-0.log:\n    rank 0 ran out" in result.stderr, \
+        show(result)
+    assert "rank-2.log" not in result.stderr and "Traceback" not in result.stderr, show(result)
 
 
 @pytest.mark.parametrize("line", ["fe80::1 slots=2", "::1:2", "[::1]:2"])
