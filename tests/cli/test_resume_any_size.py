@@ -31,6 +31,7 @@ def test_a_resume_on_more_or_fewer_ranks_skips_and_repeats_no_sample_of_the_epoc
                     timeout=240)
     assert result.returncode == 0, show(result)
     assert result.stderr.count("the data order differs from here on") == len(PAIRS), show(result)
+    assert "(in epoch 1, step " in result.stdout and "(epoch 0)" not in result.stdout, show(result)
     with open(tmp_path / "records.json") as f:
         records = json.load(f)
     every_row = set(int(v) for v in x[:, 0])
