@@ -19,7 +19,7 @@ from ..errors import UsageError
 from . import leftovers, reaper
 from .signals import swapped_handlers
 
-__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "gave_up_line",
+__all__ = ["NO_RESTART_STATUSES", "SIGUSR1_STOP", "exit_status", "should_restart", "restart_line", "gave_up_line",
            "not_restarted_line", "failure_report", "format_failure_report", "failed_rank", "first_failed",
            "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail", "start_logs",
            "report_failure", "report_success", "Forwarder", "run_job", "run_with_restarts", "STOP_SIGNALS",
@@ -32,8 +32,12 @@ __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line
 # same on the next run); 4 is a diverged training run (restarted with the same
 # --lr it diverges again); 75 is a run that stopped before its Slurm job's
 # time limit (a restart has no time left; the job's requeue goes on); 126 and
-# 127 are a command that cannot be run.
-NO_RESTART_STATUSES = (2, 4, 75, 126, 127)
+# 127 are a command that cannot be run; 138 is a run that stopped with a
+# checkpoint on SIGUSR1, "checkpoint and stop", whoever sent it to the ranks
+# (Slurm's --signal or a preemption reach them, not the launcher): a restart
+# would undo the stop.
+SIGUSR1_STOP = 128 + signal.SIGUSR1
+NO_RESTART_STATUSES = (2, 4, 75, 126, 127, SIGUSR1_STOP)
 
 
 def exit_status(returncode):
@@ -64,9 +68,12 @@ def gave_up_line(status, restarts):
             "as many as --restarts allows; fix the failure above, or give a larger --restarts")
 
 
-def not_restarted_line(status):
-    """The line printed when a job ended after the user's SIGUSR1 (pure)."""
-    return f"ringtrain launch: the job ended (status {status}) after the SIGUSR1 you sent; not restarting it"
+def not_restarted_line(status, sent_to_launcher=True):
+    """The line printed when a job ended after a SIGUSR1, the user's to the launcher or one its ranks got (pure)."""
+    if sent_to_launcher:
+        return f"ringtrain launch: the job ended (status {status}) after the SIGUSR1 you sent; not restarting it"
+    return (f"ringtrain launch: the job stopped with a checkpoint (status {status}) after a SIGUSR1 reached its "
+            "ranks (Slurm's --signal, a preemption or a kill); not restarting it")
 
 
 RESTART_MARK = "ringtrain launch: restart "
@@ -437,8 +444,8 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr, ranks=
             stopped = forwarder.stopped is not None
             if status == 0 or stopped:
                 return status
-            if forwarder.asked_to_checkpoint:
-                print(not_restarted_line(status), file=stderr, flush=True)
+            if forwarder.asked_to_checkpoint or status == SIGUSR1_STOP:
+                print(not_restarted_line(status, forwarder.asked_to_checkpoint), file=stderr, flush=True)
                 return status
             rank = report_failure(logdir, stderr, ranks)
             if not should_restart(status, restart, max_restarts, stopped):

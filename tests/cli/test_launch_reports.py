@@ -101,6 +101,46 @@ def test_a_job_the_user_stopped_with_sigusr1_is_not_restarted(tmp_path):
     assert len(list(tmp_path.glob("pid-*-*"))) == 2, "the job was started again"
 
 
+def rank_pid(marker, rank):
+    """The pid of rank ``rank``'s process whose command line holds ``marker`` (read from /proc), or None."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in argv and b"ringtrain" in argv and f"PMI_RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+def test_a_training_job_whose_ranks_got_sigusr1_is_not_restarted(tmp_path):
+    # Slurm's --signal and a preemption signal the ranks, not the launcher: "checkpoint and stop" all the same.
+    run_dir = str(tmp_path / "run")
+    launcher = start(tmp_path, "-np", "2", "--restarts", "2", "--restart-delay", "0", "--",
+                     *ringtrain("train", "--dataset", "synthetic", "--epochs", "100000", "--log-every", "5",
+                                "--run-dir", run_dir, "--no-progress"))
+    assert wait_until(lambda: '"event": "train"' in _text(tmp_path / "run" / "metrics.jsonl"), 90)
+    pid = rank_pid(run_dir, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGUSR1)
+    code, out = finish(launcher, tmp_path, timeout=90)
+    assert code == 138 and "restart 1 of 2" not in out, out
+    assert out.strip().splitlines()[-1] == (
+        "ringtrain launch: the job stopped with a checkpoint (status 138) after a SIGUSR1 reached its ranks "
+        "(Slurm's --signal, a preemption or a kill); not restarting it"), out
+    assert _text(tmp_path / "run" / "metrics.jsonl").count('"event": "start"') == 1, "the job was started again"
+
+
+def _text(path):
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def test_the_launcher_says_it_gave_up_after_the_last_restart(tmp_path):
     result = run(ringtrain("launch", "-np", "2", "--restarts", "1", "--restart-delay", "0", "--", "sh", "-c",
                            "exit 3"), timeout=60)
