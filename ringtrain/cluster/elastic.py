@@ -39,8 +39,8 @@ from ..io.rundir import write_json_atomic
 from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
                         host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
-from .jobs import (NO_RESTART_STATUSES, Forwarder, first_failed, format_command, make_logdir, not_restarted_line,
-                   read_exit_records, report_failure, report_success, run_job)
+from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, format_command, make_logdir,
+                   not_restarted_line, read_exit_records, report_failure, report_success, run_job, start_logs)
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
            "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",
@@ -260,7 +260,11 @@ def _run(launcher, np, env):
                 return status if job else 1
             assignment = assign(hosts, launcher.max_np)
             args, extra = launcher.args(assignment, job)
-            _clear_records(launcher.records)
+            size = sum(h.slots for h in assignment)
+            if launcher.plan.logdir is not None:
+                start_logs(launcher.plan.logdir, size, job)
+            else:
+                _clear_records(launcher.records)
             launcher.say(f"{'starting' if job == 0 else 'restarting'} {sum(h.slots for h in assignment)} rank(s) "
                          f"on {format_hosts(assignment)}: {_format(args, extra)}")
             forwarder.asked_to_checkpoint = False
@@ -275,10 +279,13 @@ def _run(launcher, np, env):
                 return status
             # A stop the launcher asked for: a commit's 75, or SIGUSR1's end, which MPICH's mpiexec
             # reports as the bare signal number for a rank that never started MPI.
-            planned = watch.asked and status in (RESTART_STATUS, signal.SIGUSR1, 128 + signal.SIGUSR1)
+            planned = watch.asked and status in (RESTART_STATUS, signal.SIGUSR1, SIGUSR1_STOP)
+            if not planned and status == SIGUSR1_STOP:  # a SIGUSR1 that reached the ranks, not from here
+                launcher.say(not_restarted_line(status, False).split(": ", 1)[1] + _kept(launcher))
+                return status
             if not planned:
-                failed = report_failure(launcher.plan.logdir, launcher.stderr) if launcher.plan.logdir else \
-                    first_failed(read_exit_records(launcher.records))
+                failed = report_failure(launcher.plan.logdir, launcher.stderr, size) if launcher.plan.logdir else \
+                    first_failed(read_exit_records(launcher.records, size))
                 if status in NO_RESTART_STATUSES:
                     return status
                 launcher.blame(assignment, failed)

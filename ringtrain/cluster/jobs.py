@@ -19,9 +19,9 @@ from ..errors import UsageError
 from . import leftovers, reaper
 from .signals import swapped_handlers
 
-__all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line", "gave_up_line",
+__all__ = ["NO_RESTART_STATUSES", "SIGUSR1_STOP", "exit_status", "should_restart", "restart_line", "gave_up_line",
            "not_restarted_line", "failure_report", "format_failure_report", "failed_rank", "first_failed",
-           "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail",
+           "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail", "start_logs",
            "report_failure", "report_success", "Forwarder", "run_job", "run_with_restarts", "STOP_SIGNALS",
            "FORWARDED", "format_command", "MIN_LOG_SPACE", "free_bytes", "make_logdir"]
 
@@ -32,8 +32,12 @@ __all__ = ["NO_RESTART_STATUSES", "exit_status", "should_restart", "restart_line
 # same on the next run); 4 is a diverged training run (restarted with the same
 # --lr it diverges again); 75 is a run that stopped before its Slurm job's
 # time limit (a restart has no time left; the job's requeue goes on); 126 and
-# 127 are a command that cannot be run.
-NO_RESTART_STATUSES = (2, 4, 75, 126, 127)
+# 127 are a command that cannot be run; 138 is a run that stopped with a
+# checkpoint on SIGUSR1, "checkpoint and stop", whoever sent it to the ranks
+# (Slurm's --signal or a preemption reach them, not the launcher): a restart
+# would undo the stop.
+SIGUSR1_STOP = 128 + signal.SIGUSR1
+NO_RESTART_STATUSES = (2, 4, 75, 126, 127, SIGUSR1_STOP)
 
 
 def exit_status(returncode):
@@ -64,9 +68,12 @@ def gave_up_line(status, restarts):
             "as many as --restarts allows; fix the failure above, or give a larger --restarts")
 
 
-def not_restarted_line(status):
-    """The line printed when a job ended after the user's SIGUSR1 (pure)."""
-    return f"ringtrain launch: the job ended (status {status}) after the SIGUSR1 you sent; not restarting it"
+def not_restarted_line(status, sent_to_launcher=True):
+    """The line printed when a job ended after a SIGUSR1, the user's to the launcher or one its ranks got (pure)."""
+    if sent_to_launcher:
+        return f"ringtrain launch: the job ended (status {status}) after the SIGUSR1 you sent; not restarting it"
+    return (f"ringtrain launch: the job stopped with a checkpoint (status {status}) after a SIGUSR1 reached its "
+            "ranks (Slurm's --signal, a preemption or a kill); not restarting it")
 
 
 RESTART_MARK = "ringtrain launch: restart "
@@ -172,8 +179,12 @@ def _cut(line):
     return line if len(line) <= MAX_LINE else f"{line[:MAX_LINE]}... ({len(line):,} characters)"
 
 
-def read_rank_logs(logdir):
-    """``{rank: text of the latest run}`` for every ``rank-R.log`` in ``logdir``."""
+def read_rank_logs(logdir, ranks=None):
+    """``{rank: text of the latest run}`` for every ``rank-R.log`` in ``logdir`` (with ``ranks``: R < ranks).
+
+    A log of a rank the job does not have is an earlier, larger job's: never
+    this job's failure.
+    """
     logs = {}
     try:
         names = os.listdir(logdir)
@@ -181,7 +192,7 @@ def read_rank_logs(logdir):
         return logs
     for name in names:
         match = re.fullmatch(r"rank-([0-9]+)\.log", name)
-        if match:
+        if match and (ranks is None or int(match.group(1)) < ranks):
             try:
                 logs[int(match.group(1))] = last_run(read_tail(os.path.join(logdir, name)))
             except OSError:
@@ -189,18 +200,43 @@ def read_rank_logs(logdir):
     return logs
 
 
-def read_exit_records(logdir):
-    """``{rank: (time, status)}`` from the exit records in ``logdir`` (the latest run's only)."""
+def read_exit_records(logdir, ranks=None):
+    """``{rank: (time, status)}`` from the exit records in ``logdir`` (the latest run's only; R < ``ranks``)."""
     records = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(logdir):
             match = re.fullmatch(r"rank-([0-9]+)\.exit", name)
-            if match:
+            if match and (ranks is None or int(match.group(1)) < ranks):
                 with contextlib.suppress(OSError):
                     record = parse_exit_record(read_tail(os.path.join(logdir, name), 256))
                     if record is not None:
                         records[int(match.group(1))] = record
     return records
+
+
+def start_logs(logdir, ranks, restart):
+    """Before start ``restart`` (0 first) of a job of ``ranks`` ranks: no earlier run's output may pass for its own.
+
+    Removes every exit record, and at a first start empties the logs of
+    ranks ``0..ranks-1``, as each rank's wrapper does when it starts: a rank
+    that mpiexec ends before its wrapper runs (another rank died at once)
+    would otherwise leave an earlier launch's log, traceback and exit record
+    in the directory, and the report would blame that.
+    """
+    with contextlib.suppress(OSError):
+        for name in os.listdir(logdir):
+            if re.fullmatch(r"rank-[0-9]+\.exit", name):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(logdir, name))
+    if restart:
+        return
+    for rank in range(ranks):
+        path = os.path.join(logdir, f"rank-{rank}.log")
+        with contextlib.suppress(OSError):
+            if os.path.islink(path):  # never written through: the link goes, its target stays
+                os.unlink(path)
+            elif os.path.exists(path):
+                os.close(os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW))
 
 
 def read_tail(path, limit=TAIL_BYTES):
@@ -337,11 +373,11 @@ def _sleep_unless_stopped(seconds, forwarder):
     return forwarder.stopped is not None
 
 
-def report_failure(logdir, stderr):
-    """Print the failing rank's last lines from the rank logs; returns the rank, if known."""
+def report_failure(logdir, stderr, ranks=None):
+    """Print the failing rank's last lines from the logs of ranks below ``ranks``; returns the rank, if known."""
     if logdir is None:
         return None
-    rank, shown = failure_report(read_rank_logs(logdir), exits=read_exit_records(logdir))
+    rank, shown = failure_report(read_rank_logs(logdir, ranks), exits=read_exit_records(logdir, ranks))
     for line in format_failure_report(logdir, shown):
         print(line, file=stderr)
     full = _full_disk_line(logdir)
@@ -352,7 +388,10 @@ def report_failure(logdir, stderr):
 
 
 def report_success(logdir, stderr, lines=5):
-    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went)."""
+    """After ``-o``: say the job finished, and show the end of rank 0's log (where the output went).
+
+    When the logs' file system is full, say that they are cut short.
+    """
     path = os.path.join(logdir, "rank-0.log")
     try:
         tail = last_run(read_tail(path)).splitlines()[-lines:]
@@ -363,6 +402,9 @@ def report_success(logdir, stderr, lines=5):
           file=stderr)
     for line in tail:
         print("    " + _cut(line), file=stderr)
+    full = _full_disk_line(logdir)  # else the lines above pass for the job's last ones
+    if full:
+        print(full, file=stderr)
     stderr.flush()
 
 
@@ -377,7 +419,7 @@ def _full_disk_line(logdir):
             "space or choose another -o")
 
 
-def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
+def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr, ranks=None):
     """Run the job, and again after each failure a restart may fix, up to ``max_restarts`` times.
 
     Args:
@@ -387,6 +429,7 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
         max_restarts: how many times a failed job may be started again.
         delay: seconds to wait before each restart.
         stderr: where the launcher's own lines go.
+        ranks: the job's rank count: only those ranks' logs are read.
 
     Returns:
         The last attempt's exit status.
@@ -395,14 +438,16 @@ def run_with_restarts(args_for, env, logdir, max_restarts, delay, stderr):
         restart = 0
         while True:
             forwarder.asked_to_checkpoint = False
+            if logdir is not None and ranks is not None:
+                start_logs(logdir, ranks, restart)
             status = run_job(args_for(restart), env, forwarder)
             stopped = forwarder.stopped is not None
             if status == 0 or stopped:
                 return status
-            if forwarder.asked_to_checkpoint:
-                print(not_restarted_line(status), file=stderr, flush=True)
+            if forwarder.asked_to_checkpoint or status == SIGUSR1_STOP:
+                print(not_restarted_line(status, forwarder.asked_to_checkpoint), file=stderr, flush=True)
                 return status
-            rank = report_failure(logdir, stderr)
+            rank = report_failure(logdir, stderr, ranks)
             if not should_restart(status, restart, max_restarts, stopped):
                 if max_restarts and status not in NO_RESTART_STATUSES:
                     print(gave_up_line(status, restart), file=stderr, flush=True)

@@ -482,7 +482,7 @@ def launch(np, command, *, hostfile=None, host_list=None, logdir=None, dry_run=F
         env = dict(os.environ)
         env.update(_root_env(plan.flavour))
         status = run_with_restarts(lambda restart: plan.args(target, restart)[0], env, plan.logdir, restarts,
-                                   restart_delay, stderr)
+                                   restart_delay, stderr, ranks=plan.np)
         if status == 0 and plan.logdir is not None:
             report_success(plan.logdir, stderr)
         return status

@@ -40,7 +40,8 @@ rank's shuffle, :meth:`EpochPlan.schedule`), and each takes the rows of its own
 shard that are left, in its own shuffled order, for the rest of the epoch: no
 row of the epoch is skipped or repeated, apart from the padding that gives
 every rank the same number of full batches (drawn, as always, from the rank's
-own rows). The next epoch is an ordinary M-rank epoch. Only a resume at the
+own rows: its unseen rows once more, then rows the epoch already trained on,
+so no row is trained more than twice in the epoch). The next epoch is an ordinary M-rank epoch. Only a resume at the
 same rank count reproduces the uninterrupted run's batches bitwise.
 
 Evaluation data are sharded the same way but never padded
@@ -345,9 +346,13 @@ def stretch_rows(ranks, rank, unseen, *, num_samples, batch_size, seed, epoch, d
     Without ``unseen`` this is the ordinary epoch (:meth:`EpochPlan.epoch_order`
     plus the shard's start): the rank's shard in its shuffled order, padded
     by wrapping around, or cut with ``drop_last``. With ``unseen`` (a mask
-    over every row), only the unseen rows of the shard, in the same shuffled
-    order; a rank with none left pads with its shard's ordinary order. The
-    step count depends on every rank's count, so every rank gets the same.
+    over every row), the unseen rows of the shard, in the same shuffled
+    order, padded with those rows once more and then with the shard's rows
+    the epoch already trained on (in the same order): so, as in an ordinary
+    epoch, no row is trained more than twice in it. (Padded with its few
+    unseen rows alone, a rank with a handful left beside one with a batch
+    left would train one row up to a batch's worth of times.) The step count
+    depends on every rank's count, so every rank gets the same.
     """
     start, stop = shard_bounds(num_samples, ranks, rank)
     rows = start + epoch_permutation(stop - start, seed, epoch, rank)
@@ -355,7 +360,8 @@ def stretch_rows(ranks, rank, unseen, *, num_samples, batch_size, seed, epoch, d
         counts = shard_sizes(num_samples, ranks)
     else:
         counts = [int(unseen[a:b].sum()) for a, b in (shard_bounds(num_samples, ranks, r) for r in range(ranks))]
-        rows = rows[unseen[rows]] if unseen[start:stop].any() else rows
+        fresh = rows[unseen[rows]]
+        rows = fresh if drop_last else np.concatenate([fresh, fresh, rows[~unseen[rows]]])
     steps = min(counts) // batch_size if drop_last else math.ceil(max(counts) / batch_size)
     length = steps * batch_size
     return (rows[:length] if drop_last else rows[np.arange(length) % rows.size]), steps

@@ -356,7 +356,10 @@ def resume(comm, cfg, run_dir, params, opt, log, dog=None, fingerprint=None):
         raise UsageError(f"checkpoint {header['path']}: {exc}; give the --optimizer and --momentum it was trained "
                          "with, or --resume none", everywhere=True) from None
     meta = header["meta"]
-    log.print(f"resumed from {header['path']} at step {meta['step']} (epoch {meta['epoch']})")
+    # Said as the stop line says it ("in epoch 2 (step 1 of 63)"): epochs counted from 1, not epochs done.
+    where = (f"in epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}" if meta["step_in_epoch"]
+             else f"{meta['epoch']} epoch(s) done")
+    log.print(f"resumed from {header['path']} at step {meta['step']} ({where})")
     if notice:
         log.print(notice)
     # Checked on rank 0 (_check_settings) when the checkpoint has its settings recorded.

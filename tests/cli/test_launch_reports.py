@@ -1,5 +1,5 @@
 """What ``ringtrain launch`` says and does at the edges: a rank killed by SIGKILL, a full disk, a user's SIGUSR1,
-the last restart, an IPv6 host, a job that succeeds under ``-o``.
+the last restart, an IPv6 host, a job that succeeds under ``-o``, an earlier job's logs in the same ``-o``.
 
 Every job runs under real mpirun with a time bound.
 """
@@ -101,6 +101,46 @@ def test_a_job_the_user_stopped_with_sigusr1_is_not_restarted(tmp_path):
     assert len(list(tmp_path.glob("pid-*-*"))) == 2, "the job was started again"
 
 
+def rank_pid(marker, rank):
+    """The pid of rank ``rank``'s process whose command line holds ``marker`` (read from /proc), or None."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in argv and b"ringtrain" in argv and f"PMI_RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+def test_a_training_job_whose_ranks_got_sigusr1_is_not_restarted(tmp_path):
+    # Slurm's --signal and a preemption signal the ranks, not the launcher: "checkpoint and stop" all the same.
+    run_dir = str(tmp_path / "run")
+    launcher = start(tmp_path, "-np", "2", "--restarts", "2", "--restart-delay", "0", "--",
+                     *ringtrain("train", "--dataset", "synthetic", "--epochs", "100000", "--log-every", "5",
+                                "--run-dir", run_dir, "--no-progress"))
+    assert wait_until(lambda: '"event": "train"' in _text(tmp_path / "run" / "metrics.jsonl"), 90)
+    pid = rank_pid(run_dir, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGUSR1)
+    code, out = finish(launcher, tmp_path, timeout=90)
+    assert code == 138 and "restart 1 of 2" not in out, out
+    assert out.strip().splitlines()[-1] == (
+        "ringtrain launch: the job stopped with a checkpoint (status 138) after a SIGUSR1 reached its ranks "
+        "(Slurm's --signal, a preemption or a kill); not restarting it"), out
+    assert _text(tmp_path / "run" / "metrics.jsonl").count('"event": "start"') == 1, "the job was started again"
+
+
+def _text(path):
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def test_the_launcher_says_it_gave_up_after_the_last_restart(tmp_path):
     result = run(ringtrain("launch", "-np", "2", "--restarts", "1", "--restart-delay", "0", "--", "sh", "-c",
                            "exit 3"), timeout=60)
@@ -108,6 +148,21 @@ def test_the_launcher_says_it_gave_up_after_the_last_restart(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "ringtrain launch: gave up: the job failed again (status 3) after 1 restart(s), as many as --restarts "
         "allows; fix the failure above, or give a larger --restarts"), show(result)
+
+
+def test_a_report_under_o_blames_this_jobs_rank_not_an_earlier_larger_jobs_log(tmp_path):
+    logs = tmp_path / "logs"
+    earlier = run(ringtrain("launch", "-np", "3", "-o", str(logs), "--", "sh", "-c",
+                            '[ "$PMI_RANK" = 2 ] && echo "Traceback (most recent call last):" && exit 1; exit 0'),
+                  timeout=60)
+    assert earlier.returncode != 0 and "last 1 line(s) of " + f"{logs}/rank-2.log" in earlier.stderr, show(earlier)
+    # The same -o, 2 ranks: rank 0 fails. rank-2.log and its traceback are the earlier job's.
+    result = run(ringtrain("launch", "-np", "2", "-o", str(logs), "--", "sh", "-c",
+                           '[ "$PMI_RANK" = 0 ] && echo "rank 0 ran out" && exit 1; sleep 1'), timeout=60)
+    assert result.returncode != 0, show(result)
+    assert f"ringtrain launch: last 1 line(s) of {logs}/rank-0.log:\n    rank 0 ran out" in result.stderr, \
+        show(result)
+    assert "rank-2.log" not in result.stderr and "Traceback" not in result.stderr, show(result)
 
 
 @pytest.mark.parametrize("line", ["fe80::1 slots=2", "::1:2", "[::1]:2"])
@@ -143,11 +198,20 @@ def _full_tmpfs():
     return where
 
 
-def test_a_full_disk_under_o_is_named_before_the_start_and_after_a_failure(tmp_path):
+def test_a_full_disk_under_o_is_named_before_the_start_after_a_success_and_after_a_failure(tmp_path):
     where = _full_tmpfs()
     if where is None:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
+        # Fills up while a job that succeeds runs: the lines shown from its log are not its last ones.
+        result = run(ringtrain("launch", "-np", "2", "-o", os.path.join(where, "ok"), "--", "sh", "-c",
+                               "head -c 400000 /dev/zero | tr '\\0' x; echo; echo done; exit 0"), timeout=60)
+        assert result.returncode == 0 and "the job finished (exit status 0)" in result.stderr, show(result)
+        assert result.stderr.rstrip().splitlines()[-1].startswith(
+            f"ringtrain launch: the file system of {where}/ok is full (0 bytes free): the ranks' output there is "
+            "cut short"), show(result)
+        for name in os.listdir(os.path.join(where, "ok")):
+            os.remove(os.path.join(where, "ok", name))
         # Fills up while the job runs: the report says why the logs are cut short.
         result = run(ringtrain("launch", "-np", "2", "-o", os.path.join(where, "logs"), "--", "sh", "-c",
                                "head -c 400000 /dev/zero | tr '\\0' x; echo; echo done"), timeout=60)

@@ -1,10 +1,12 @@
-"""Elastic training's pure parts: discovery output, the host book, placement, the sampler's index maths, commits."""
+"""Elastic training's pure parts: discovery output, the host book, placement, the sampler's index maths, commits.
+
+The launcher's parts need no torch; the sampler's and the commits' skip, saying why, where torch is not installed.
+"""
 
 import random
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +17,17 @@ from ringtrain.cluster.discovery import (DiscoveryError, HostBook, assign, check
                                          discovery_command, host_of_rank, parse_discovery, run_discovery)
 from ringtrain.cluster.hostfiles import Host
 from ringtrain.errors import UsageError
-from ringtrain.torch.elastic.commits import CommitStore, decode, encode
-from ringtrain.torch.elastic.sampler import ElasticSampler, epoch_order, partition
+
+try:
+    import torch
+
+    from ringtrain.torch.elastic.commits import CommitStore, decode, encode
+    from ringtrain.torch.elastic.sampler import ElasticSampler, epoch_order, partition
+except ModuleNotFoundError as missing:
+    if missing.name != "torch":
+        raise
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (pip install torch==2.13.0)")
 
 
 # --- what a discovery script prints -----------------------------------------------
@@ -177,6 +188,7 @@ def test_the_dry_run_shows_the_first_starts_command_from_the_discovered_hosts(ca
 
 # --- the launcher's notices ----------------------------------------------------------
 
+@needs_torch
 def test_notices_and_the_listening_mark_round_trip(tmp_path):
     assert E.read_notice(str(tmp_path)) is None
     E.write_notice(str(tmp_path), 3, {"removed"})
@@ -193,6 +205,7 @@ def test_notices_and_the_listening_mark_round_trip(tmp_path):
 
 # --- the sampler's index maths ----------------------------------------------------------
 
+@needs_torch
 def test_the_epoch_order_is_horovods():
     order = list(range(10))
     random.Random(3 + 2).shuffle(order)
@@ -222,6 +235,7 @@ def take_epoch(order, resets, batch):
             return taken, ended_at
 
 
+@needs_torch
 @settings(max_examples=150, deadline=None)
 @given(length=st.integers(1, 80), batch=st.integers(1, 5), seed=st.integers(0, 5),
        resets=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 6)), min_size=1, max_size=4))
@@ -233,6 +247,7 @@ def test_no_sample_is_skipped_or_taken_twice_across_resets_at_any_sizes(length, 
     assert len(taken) - length < last
 
 
+@needs_torch
 def test_the_taken_prefix_is_the_epoch_order_itself():
     order = epoch_order(24, 1, 0, True)
     taken, _ = take_epoch(order, [(2, 3), (3, 1), (1, 2)], batch=2)
@@ -246,12 +261,14 @@ def test_the_taken_prefix_is_the_epoch_order_itself():
     assert all(sorted(a) == sorted(b) for a, b in blocks)
 
 
+@needs_torch
 def test_padding_repeats_the_start_of_what_is_left():
     assert partition([5, 6, 7], 0, 2, 0) == ([5, 7], 2) and partition([5, 6, 7], 0, 2, 1) == ([6, 5], 2)
     assert partition([5], 0, 3, 2) == ([5], 1)  # one index left for three ranks: each gets it
     assert partition([5, 6], 2, 3, 0) == ([], 0)
 
 
+@needs_torch
 def test_merging_adds_every_ranks_count_into_the_position():
     state = {"epoch": 4, "processed_num": 10, "global_done": 6, "local_done": 4}
     assert ElasticSampler.merged(state, [4, 4, 3]) == {"epoch": 4, "processed_num": 17, "global_done": 17,
@@ -268,6 +285,7 @@ class Box:
         self.tensor, self.note = tensor, note
 
 
+@needs_torch
 def test_a_snapshot_round_trips_every_dtype_and_tensors_inside_objects():
     snapshot = {
         "float": torch.randn(3, 2), "half": torch.randn(4).half(), "bf16": torch.randn(5).bfloat16(),
@@ -286,6 +304,7 @@ def test_a_snapshot_round_trips_every_dtype_and_tensors_inside_objects():
     assert back["plain"] == snapshot["plain"]
 
 
+@needs_torch
 def test_the_newest_whole_commit_is_found_and_a_damaged_one_falls_back(tmp_path):
     store = CommitStore(str(tmp_path))
     assert store.latest() is None
@@ -302,6 +321,7 @@ def test_the_newest_whole_commit_is_found_and_a_damaged_one_falls_back(tmp_path)
     assert sequence == 2 and torch.equal(snapshot["w"], torch.full((3,), 2.0))
 
 
+@needs_torch
 def test_a_commit_that_cannot_be_written_says_where_in_one_line(tmp_path):
     (tmp_path / "commits").write_text("a file where the commits directory should be")
     with pytest.raises(UsageError) as err:

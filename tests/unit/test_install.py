@@ -1,9 +1,12 @@
-"""What the install promises: one version, torch pinned and kept out of [test], and CI with every extra."""
+"""What the install promises: one version, torch pinned and kept out of [test], a suite that runs without it, and
+CI with every extra."""
 
 import configparser
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +34,16 @@ def test_torch_is_pinned_and_only_where_asked_for():
     assert extras["torch"] == ["torch==2.13.0"]
     assert not any(req.startswith("torch") for req in extras["test"]), "[test] must stay quick: no torch"
     assert "mlxtend" in extras["test"] and "markdown-it-py" in extras["test"]
+
+
+def test_every_test_module_loads_without_torch_as_the_readmes_test_command_installs_it():
+    # The README's `pip install -e '.[test]' && python -m pytest` has no torch: one module that imports
+    # it unguarded is a collection error, and pytest then runs nothing at all.
+    hide_torch = ("import sys; sys.modules['torch'] = None; import pytest; "
+                  "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests']))")
+    done = subprocess.run([sys.executable, "-c", hide_torch], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
+    assert "torch is not installed (pip install torch==2.13.0)" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI promises every extra (.ci/run installs them)")

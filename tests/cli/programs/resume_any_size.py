@@ -2,11 +2,12 @@
 
 Usage (under ``mpirun -np 4``)::
 
-    python resume_any_size.py DATA.npz OUT_DIR BATCH N:M [N:M ...]
+    python resume_any_size.py DATA.npz OUT_DIR BATCH N:M[@last] [N:M[@last] ...]
 
 For each ``N:M``, world ranks ``0..N-1`` train (through :func:`ringtrain.train`
 on a communicator of their own) the first steps of epoch 1 and stop
-mid-epoch with a checkpoint; then ranks ``0..M-1`` resume from it
+mid-epoch with a checkpoint (with ``@last``, just before the epoch's last,
+partial batch); then ranks ``0..M-1`` resume from it
 (``--resume auto`` on the same run directory) and finish the epoch. The
 dataset's first feature is each row's number, so a model that notes its
 batches' first column records which rows were trained on. World rank 0
@@ -55,9 +56,11 @@ def main():
         rows, features, classes = arrays["x"].shape[0], arrays["x"].shape[1], int(arrays["y"].max()) + 1
     records = {}
     for pair in sys.argv[4:]:
-        n, m = map(int, pair.split(":"))
-        run_dir = os.path.join(out, f"{n}to{m}")
-        cut = EpochPlan(rows, n, 0, batch).steps_per_epoch * 2 // 5  # mid-epoch, at every N here
+        ranks, _, where = pair.partition("@")
+        n, m = map(int, ranks.split(":"))
+        run_dir = os.path.join(out, f"{n}to{m}{where}")
+        steps = EpochPlan(rows, n, 0, batch).steps_per_epoch
+        cut = steps - 1 if where == "last" else steps * 2 // 5  # before the last (partial) batch, or mid-epoch
         base = dict(dataset=data, hidden=(8,), batch_size=batch, epochs=1, run_dir=run_dir, progress=False,
                     log_every=1000)
         before = part(world, n, TrainConfig(**base, max_steps=cut), features, classes)
