@@ -113,7 +113,8 @@ class Channel:
         self._others = [r for r in self.ranks if r != self.rank]
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self._any_source = MPI.ANY_SOURCE
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()          # the queue's; taken bare where nobody waits (cheaper than _cond)
+        self._cond = threading.Condition(self._lock)
         self._driver = threading.Lock()
         self._driving = False
         self._queue = []                       # submitted, not yet announced
@@ -149,7 +150,7 @@ class Channel:
     def submit(self, entry):
         """Queue ``entry``; ValueError if its name is in flight here; HorovodInternalError once closed."""
         entry.pending.channel = self
-        with self._cond:
+        with self._lock:
             reason = self._closed or self._closing
             if reason is not None:
                 raise HorovodInternalError(f"{entry.label}: {reason}")
@@ -297,7 +298,7 @@ class Channel:
         """One round of work: announce, read mail, order (leader), run. True if anything moved."""
         moved = False
         if self._queue:
-            with self._cond:
+            with self._lock:
                 new, self._queue = self._queue, []
             self._announce(new, now)
             moved = True
@@ -350,7 +351,7 @@ class Channel:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
                                                              "while ranks are joined"))
                 continue
-            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if data is not None else None), now):
+            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if e.local else None), now):
                 complete.append(e.key)
             if e.key == JOIN and self.is_leader:
                 self._join_order.append(self.rank)
@@ -362,7 +363,8 @@ class Channel:
                 self._answer_all(now, complete)
         if items:
             self._send_all(("a", self.rank, items))
-        self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
+        if JOIN in self._board:
+            self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
@@ -421,9 +423,10 @@ class Channel:
                     self._join_order.append(rank)
                 self._check_joined(self._board.keys(), now)
                 continue
-            if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
-                self._answer(key, now, complete)
-            self._check_joined([key], now)
+            if JOIN in self._board:
+                if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
+                    self._answer(key, now, complete)
+                self._check_joined([key], now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)

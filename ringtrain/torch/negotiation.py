@@ -183,6 +183,9 @@ class Board:
     def __len__(self):
         return len(self._entries)
 
+    def __contains__(self, key):
+        return key in self._entries
+
     def add(self, rank, key, announcement, now):
         """Record ``rank``'s announcement of ``key``; True when every member has now announced it."""
         entry = self._entries.get(key)
