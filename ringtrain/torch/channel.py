@@ -465,20 +465,20 @@ class Channel:
 
     def _heard_all(self, key, now):
         """Every member has announced ``key``: fail it, compute it here, or (a collective) leave it to be ordered."""
-        if self.is_leader and key == JOIN:
-            self._to_order.append((JOIN, RUN, self._join_order[-1]))
-            self._join_order = []
-            return
         if key == JOIN:
+            if self.is_leader:
+                self._to_order.append((JOIN, RUN, self._join_order[-1]))
+                self._join_order = []
             return
-        v = verdict(key, self.ranks, self._board.announcements(key))
-        if v.action == FAIL:
+        announced = self._board.announcements(key)
+        v = verdict(key, self.ranks, announced)
+        if v.action == LOCAL:
+            self._run_local(key, v, announced, now)
+        elif v.action == FAIL:
             entry = self._mine.pop(key, None)
             if entry is not None:
                 self._complete(entry, error=(CollectiveMismatchError if v.mismatch else HorovodInternalError)(v.error))
             self._done(key, now)
-        elif v.action == LOCAL:
-            self._run_local(key, v, now)
         elif self.is_leader:
             self._to_order.append((key, RUN, None))  # sent with the others heard in this step: they may fuse
 
@@ -486,27 +486,24 @@ class Channel:
         if self._board.take(key, now):
             self._heard_all(key, now)
 
-    def _run_local(self, key, v, now):
+    def _run_local(self, key, v, announced, now):
         """A small op whose data every rank has: the result is computed here, as on every member."""
         entry = self._mine.pop(key, None)
         if entry is not None:
+            data = [announced[r][2] for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
+            out = entry.args[1] if len(entry.args) > 1 else None
             timeline = self.engine.timeline
             try:  # (kernels write a parameter's data under no_grad where they use torch; NumPy needs none)
                 if timeline is None:
-                    result = self._local_result(key, v, entry)
+                    result = kernels.run_local(v.meta, data, out)
                 else:
                     with timeline.span(entry.label + " (local)", tid=1):
-                        result = self._local_result(key, v, entry)
+                        result = kernels.run_local(v.meta, data, out)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
                 self._complete(entry, error=_as_runtime_error(exc))
             else:
                 self._complete(entry, result)
         self._done(key, now)
-
-    def _local_result(self, key, v, entry):
-        announced = self._board.announcements(key)
-        return kernels.run_local(v.meta, [None if r in v.joined else announced[r][2] for r in self.ranks],
-                                 entry.args[1] if len(entry.args) > 1 else None)
 
     def _flush_orders(self):
         orders, self._to_order = self._to_order, []

@@ -186,23 +186,9 @@ def reduce_locally(meta, inputs, out):
     op itself (:mod:`ringtrain.torch.channel`) gets the same bits.
     """
     numpy_dtype = _fast_plan(meta)
-    n = len(inputs)
     if numpy_dtype is not None and _fast(out):
-        total = host_array(out)
-        arrays = []
-        for i, x in enumerate(inputs):
-            a = host_array(x) if isinstance(x, torch.Tensor) else np.frombuffer(x, numpy_dtype)
-            # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
-            arrays.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
-        if n == 1:
-            np.copyto(total, arrays[0])
-        else:
-            np.add(arrays[0], arrays[1], out=total)
-        for a in arrays[2:]:
-            total += a
-        if meta[_OP][1] == "average":
-            np.divide(total, n, out=total)  # (a Python int divides as the array's own dtype)
-        return out
+        return _reduce_in_numpy(meta, numpy_dtype, inputs, out)
+    n = len(inputs)
     fields = dict(meta)
     op = fields["op"]
     dtype = getattr(torch, fields["dtype"])
@@ -217,6 +203,35 @@ def reduce_locally(meta, inputs, out):
     scale_(total, fields["postscale"], n if average and not half else 1)
     out.copy_(total.to(dtype).view(out.shape))
     return out
+
+
+def _reduce_in_numpy(meta, numpy_dtype, inputs, out):
+    """:func:`reduce_locally` of a float32/float64 sum or average without factors, through NumPy views."""
+    total = host_array(out)
+    arrays = []
+    for i, x in enumerate(inputs):
+        if x is out:
+            a = total
+        else:
+            a = host_array(x) if isinstance(x, torch.Tensor) else np.frombuffer(x, numpy_dtype)
+        # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
+        arrays.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
+    n = len(arrays)
+    if n == 1:
+        np.copyto(total, arrays[0])
+    else:
+        np.add(arrays[0], arrays[1], out=total)
+    for a in arrays[2:]:
+        total += a
+    if meta[_OP][1] == "average":
+        divisor = _DIVISORS.get((numpy_dtype, n))
+        if divisor is None:  # a NumPy scalar of the array's dtype: the division stays in that dtype
+            divisor = _DIVISORS[(numpy_dtype, n)] = numpy_dtype(n)
+        np.divide(total, divisor, out=total)
+    return out
+
+
+_DIVISORS = {}
 
 
 def _combine(total, t, op):
