@@ -250,10 +250,11 @@ class Channel:
     def _drive_until(self, done, deadline=None):
         since = now = time.monotonic()
         while not done():
-            if self._step(now):
-                since = now
+            moved = self._step(now)
             now = time.monotonic()
-            if now - since > SPIN_S:
+            if moved:  # (a step that moved may have finished the op: no pause before done() is asked again)
+                since = now
+            elif now - since > SPIN_S:
                 if deadline is not None and now > deadline:
                     return
                 _pause(now - since)

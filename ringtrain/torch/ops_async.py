@@ -102,7 +102,9 @@ _METAS = {}  # what a reduction is announced with, one tuple per distinct op (ch
 
 
 def _reduce_meta(kind, tensor, op, prescale_factor, postscale_factor):
-    _checked(tensor, kind)
+    problem = check_tensor(tensor, kind)
+    if problem is not None:
+        raise ValueError(problem)
     key = (kind, tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, tensor.is_cuda)
     meta = _METAS.get(key)
     if meta is None:
