@@ -135,14 +135,18 @@ def split_parts(decision, args):
 
 
 def host_array(tensor):
-    """A flat NumPy view of a contiguous CPU float32/float64 tensor, kept for the next call on the same memory.
+    """A flat NumPy view of a CPU float32/float64 tensor, kept for the next call on the same memory.
 
     Making the view costs more than a small op's arithmetic, and programs
     reduce the same tensors step after step, often through a new tensor
     object each time (``p.detach()``), so a view is found by the memory it
     covers: its address, dtype and size. The view holds that memory, so no
-    other storage can be given the same address while it is kept.
+    other storage can be given the same address while it is kept. A strided
+    tensor has no flat view: it gets a fresh copy (to read; writes to it do
+    not reach the tensor), never kept, so no later call can read stale values.
     """
+    if not tensor.is_contiguous():
+        return tensor.detach().reshape(-1).numpy()
     key = (tensor.data_ptr(), tensor.dtype, tensor.numel())
     array = _VIEWS.get(key)
     if array is None:
