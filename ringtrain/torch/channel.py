@@ -250,7 +250,7 @@ class Channel:
     def _drive_until(self, done, deadline=None):
         since = now = time.monotonic()
         while not done():
-            moved = self._step(now)
+            moved = self._step(now, done)
             now = time.monotonic()
             if moved:  # (a step that moved may have finished the op: no pause before done() is asked again)
                 since = now
@@ -295,8 +295,8 @@ class Channel:
                     self._parked = False
             return False
 
-    def _step(self, now):
-        """One round of work: announce, read mail, order (leader), run. True if anything moved."""
+    def _step(self, now, done=None):
+        """One round of work: announce, read mail (until ``done()``), order (leader), run. True if anything moved."""
         moved = False
         if self._queue:
             with self._lock:
@@ -305,7 +305,7 @@ class Channel:
             moved = True
         closing = self._closing if self._closed is None else None
         if self._others:
-            moved |= self._receive(now)
+            moved |= self._receive(now, done)
         if self._answers:
             self._send_all(("a", self.rank, self._answers))
             self._answers = []
@@ -390,7 +390,9 @@ class Channel:
             return None
         return kernels.raw_bytes(entry.args[0])
 
-    def _receive(self, now):
+    def _receive(self, now, done=None):
+        """Read and act on the messages that have arrived; stop early once ``done()`` (the caller's op finished:
+        the rest wait for the next step, and the caller goes back to its program one MPI call sooner)."""
         moved = False
         while True:
             message = self.control.improbe(self._any_source, TAG)
@@ -400,6 +402,8 @@ class Channel:
             kind, *body = message.recv()
             if kind == "a":
                 self._heard(body[0], body[1], now)
+                if done is not None and done():
+                    return True
             elif kind == "d":
                 self._batch += 1
                 self._ordered.extend((self._batch, *order) for order in body[0])
