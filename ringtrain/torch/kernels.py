@@ -190,7 +190,7 @@ def reduce_locally(meta, inputs, out):
     op itself (:mod:`ringtrain.torch.channel`) gets the same bits.
     """
     numpy_dtype = _fast_plan(meta)
-    if numpy_dtype is not None and _fast(out):
+    if numpy_dtype is not None and out.is_contiguous():  # (a plan means a CPU float32/float64 op: out is one)
         return _reduce_in_numpy(meta, numpy_dtype, inputs, out)
     n = len(inputs)
     fields = dict(meta)
