@@ -51,9 +51,11 @@ def _in_place(tensor):
 
     A leaf that requires grad (a parameter) may not be written in place
     under autograd, and the engine's thread, where the write happens, does
-    not share the caller's ``torch.no_grad()``.
+    not share the caller's ``torch.no_grad()``. A tensor that does not
+    require grad is written as it is (detaching it would cost a new tensor
+    object on every call).
     """
-    return tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+    return tensor.detach() if isinstance(tensor, torch.Tensor) and tensor.requires_grad else tensor
 
 
 def _compress(compression, tensor):

@@ -113,7 +113,8 @@ class Channel:
         self._others = [r for r in self.ranks if r != self.rank]
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self._any_source = MPI.ANY_SOURCE
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()          # the queue's; taken bare where nobody waits (cheaper than _cond)
+        self._cond = threading.Condition(self._lock)
         self._driver = threading.Lock()
         self._driving = False
         self._queue = []                       # submitted, not yet announced
@@ -149,7 +150,7 @@ class Channel:
     def submit(self, entry):
         """Queue ``entry``; ValueError if its name is in flight here; HorovodInternalError once closed."""
         entry.pending.channel = self
-        with self._cond:
+        with self._lock:
             reason = self._closed or self._closing
             if reason is not None:
                 raise HorovodInternalError(f"{entry.label}: {reason}")
@@ -249,10 +250,11 @@ class Channel:
     def _drive_until(self, done, deadline=None):
         since = now = time.monotonic()
         while not done():
-            if self._step(now):
-                since = now
+            moved = self._step(now, done)
             now = time.monotonic()
-            if now - since > SPIN_S:
+            if moved:  # (a step that moved may have finished the op: no pause before done() is asked again)
+                since = now
+            elif now - since > SPIN_S:
                 if deadline is not None and now > deadline:
                     return
                 _pause(now - since)
@@ -293,17 +295,17 @@ class Channel:
                     self._parked = False
             return False
 
-    def _step(self, now):
-        """One round of work: announce, read mail, order (leader), run. True if anything moved."""
+    def _step(self, now, done=None):
+        """One round of work: announce, read mail (until ``done()``), order (leader), run. True if anything moved."""
         moved = False
         if self._queue:
-            with self._cond:
+            with self._lock:
                 new, self._queue = self._queue, []
             self._announce(new, now)
             moved = True
         closing = self._closing if self._closed is None else None
         if self._others:
-            moved |= self._receive(now)
+            moved |= self._receive(now, done)
         if self._answers:
             self._send_all(("a", self.rank, self._answers))
             self._answers = []
@@ -350,7 +352,7 @@ class Channel:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
                                                              "while ranks are joined"))
                 continue
-            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if data is not None else None), now):
+            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if e.local else None), now):
                 complete.append(e.key)
             if e.key == JOIN and self.is_leader:
                 self._join_order.append(self.rank)
@@ -362,7 +364,8 @@ class Channel:
                 self._answer_all(now, complete)
         if items:
             self._send_all(("a", self.rank, items))
-        self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
+        if JOIN in self._board:
+            self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
@@ -387,7 +390,9 @@ class Channel:
             return None
         return kernels.raw_bytes(entry.args[0])
 
-    def _receive(self, now):
+    def _receive(self, now, done=None):
+        """Read and act on the messages that have arrived; stop early once ``done()`` (the caller's op finished:
+        the rest wait for the next step, and the caller goes back to its program one MPI call sooner)."""
         moved = False
         while True:
             message = self.control.improbe(self._any_source, TAG)
@@ -397,6 +402,8 @@ class Channel:
             kind, *body = message.recv()
             if kind == "a":
                 self._heard(body[0], body[1], now)
+                if done is not None and done():
+                    return True
             elif kind == "d":
                 self._batch += 1
                 self._ordered.extend((self._batch, *order) for order in body[0])
@@ -421,9 +428,10 @@ class Channel:
                     self._join_order.append(rank)
                 self._check_joined(self._board.keys(), now)
                 continue
-            if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
-                self._answer(key, now, complete)
-            self._check_joined([key], now)
+            if JOIN in self._board:
+                if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
+                    self._answer(key, now, complete)
+                self._check_joined([key], now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
@@ -462,20 +470,20 @@ class Channel:
 
     def _heard_all(self, key, now):
         """Every member has announced ``key``: fail it, compute it here, or (a collective) leave it to be ordered."""
-        if self.is_leader and key == JOIN:
-            self._to_order.append((JOIN, RUN, self._join_order[-1]))
-            self._join_order = []
-            return
         if key == JOIN:
+            if self.is_leader:
+                self._to_order.append((JOIN, RUN, self._join_order[-1]))
+                self._join_order = []
             return
-        v = verdict(key, self.ranks, self._board.announcements(key))
-        if v.action == FAIL:
+        announced = self._board.announcements(key)
+        v = verdict(key, self.ranks, announced)
+        if v.action == LOCAL:
+            self._run_local(key, v, announced, now)
+        elif v.action == FAIL:
             entry = self._mine.pop(key, None)
             if entry is not None:
                 self._complete(entry, error=(CollectiveMismatchError if v.mismatch else HorovodInternalError)(v.error))
             self._done(key, now)
-        elif v.action == LOCAL:
-            self._run_local(key, v, now)
         elif self.is_leader:
             self._to_order.append((key, RUN, None))  # sent with the others heard in this step: they may fuse
 
@@ -483,27 +491,24 @@ class Channel:
         if self._board.take(key, now):
             self._heard_all(key, now)
 
-    def _run_local(self, key, v, now):
+    def _run_local(self, key, v, announced, now):
         """A small op whose data every rank has: the result is computed here, as on every member."""
         entry = self._mine.pop(key, None)
         if entry is not None:
+            data = [announced[r][2] for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
+            out = entry.args[1] if len(entry.args) > 1 else None
             timeline = self.engine.timeline
             try:  # (kernels write a parameter's data under no_grad where they use torch; NumPy needs none)
                 if timeline is None:
-                    result = self._local_result(key, v, entry)
+                    result = kernels.run_local(v.meta, data, out)
                 else:
                     with timeline.span(entry.label + " (local)", tid=1):
-                        result = self._local_result(key, v, entry)
+                        result = kernels.run_local(v.meta, data, out)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
                 self._complete(entry, error=_as_runtime_error(exc))
             else:
                 self._complete(entry, result)
         self._done(key, now)
-
-    def _local_result(self, key, v, entry):
-        announced = self._board.announcements(key)
-        return kernels.run_local(v.meta, [None if r in v.joined else announced[r][2] for r in self.ranks],
-                                 entry.args[1] if len(entry.args) > 1 else None)
 
     def _flush_orders(self):
         orders, self._to_order = self._to_order, []

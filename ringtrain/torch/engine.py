@@ -145,7 +145,8 @@ class Engine:
         """Queue ``entry`` on its process set's channel (HorovodInternalError once the engine is broken)."""
         if self.broken is not None:
             raise HorovodInternalError(f"{entry.label}: {self.broken}")
-        self.channel(set_id).submit(entry)
+        channel = self.channels.get(set_id)
+        (self.channel(set_id) if channel is None else channel).submit(entry)  # (channel() explains a missing one)
         return entry.pending
 
     def call(self, what, fn, meta=()):

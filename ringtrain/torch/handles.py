@@ -41,7 +41,10 @@ class Pending:
 
     def succeed(self, result):
         self.result = result
-        self._finish()
+        self.finished = True
+        event = self._event  # read after the flag is set: a waiter that made it sooner is woken
+        if event is not None:
+            event.set()
 
     def fail(self, error):
         self.error = error

@@ -20,7 +20,6 @@ only its rows, half the bytes of an allreduce.
 
 import math
 import os
-import weakref
 
 import numpy as np
 import torch
@@ -136,22 +135,25 @@ def split_parts(decision, args):
 
 
 def host_array(tensor):
-    """A flat NumPy view of a contiguous CPU float32/float64 tensor, kept for the next call on the same tensor.
+    """A flat NumPy view of a CPU float32/float64 tensor, kept for the next call on the same memory.
 
     Making the view costs more than a small op's arithmetic, and programs
-    reduce the same tensors step after step; a view is reused only while the
-    tensor still has the same memory, dtype and size.
+    reduce the same tensors step after step, often through a new tensor
+    object each time (``p.detach()``), so a view is found by the memory it
+    covers: its address, dtype and size. The view holds that memory, so no
+    other storage can be given the same address while it is kept. A strided
+    tensor has no flat view: it gets a fresh copy (to read; writes to it do
+    not reach the tensor), never kept, so no later call can read stale values.
     """
-    key = id(tensor)
-    found = _VIEWS.get(key)
-    if found is not None:
-        ref, pointer, numel, array = found
-        if ref() is tensor and pointer == tensor.data_ptr() and numel == tensor.numel():
-            return array
-    array = tensor.detach().numpy().reshape(-1)
-    if len(_VIEWS) >= 256:  # views of tensors since freed must not pile up
-        _VIEWS.clear()
-    _VIEWS[key] = (weakref.ref(tensor), tensor.data_ptr(), tensor.numel(), array)
+    if not tensor.is_contiguous():
+        return tensor.detach().reshape(-1).numpy()
+    key = (tensor.data_ptr(), tensor.dtype, tensor.numel())
+    array = _VIEWS.get(key)
+    if array is None:
+        array = tensor.detach().numpy().reshape(-1)
+        if len(_VIEWS) >= 256:  # views of tensors since freed must not pile up
+            _VIEWS.clear()
+        _VIEWS[key] = array
     return array
 
 
@@ -188,21 +190,9 @@ def reduce_locally(meta, inputs, out):
     op itself (:mod:`ringtrain.torch.channel`) gets the same bits.
     """
     numpy_dtype = _fast_plan(meta)
+    if numpy_dtype is not None and out.is_contiguous():  # (a plan means a CPU float32/float64 op: out is one)
+        return _reduce_in_numpy(meta, numpy_dtype, inputs, out)
     n = len(inputs)
-    if numpy_dtype is not None and _fast(out):
-        total = host_array(out)
-        arrays = [host_array(x) if isinstance(x, torch.Tensor) else np.frombuffer(x, numpy_dtype) for x in inputs]
-        # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
-        arrays = [a.copy() if i > 1 and np.shares_memory(a, total) else a for i, a in enumerate(arrays)]
-        if n == 1:
-            np.copyto(total, arrays[0])
-        else:
-            np.add(arrays[0], arrays[1], out=total)
-        for a in arrays[2:]:
-            total += a
-        if meta[_OP][1] == "average":
-            total /= numpy_dtype(n)
-        return out
     fields = dict(meta)
     op = fields["op"]
     dtype = getattr(torch, fields["dtype"])
@@ -217,6 +207,35 @@ def reduce_locally(meta, inputs, out):
     scale_(total, fields["postscale"], n if average and not half else 1)
     out.copy_(total.to(dtype).view(out.shape))
     return out
+
+
+def _reduce_in_numpy(meta, numpy_dtype, inputs, out):
+    """:func:`reduce_locally` of a float32/float64 sum or average without factors, through NumPy views."""
+    total = host_array(out)
+    arrays = []
+    for i, x in enumerate(inputs):
+        if x is out:
+            a = total
+        else:
+            a = host_array(x) if isinstance(x, torch.Tensor) else np.frombuffer(x, numpy_dtype)
+        # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
+        arrays.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
+    n = len(arrays)
+    if n == 1:
+        np.copyto(total, arrays[0])
+    else:
+        np.add(arrays[0], arrays[1], out=total)
+    for a in arrays[2:]:
+        total += a
+    if meta[_OP][1] == "average":
+        divisor = _DIVISORS.get((numpy_dtype, n))
+        if divisor is None:  # a NumPy scalar of the array's dtype: the division stays in that dtype
+            divisor = _DIVISORS[(numpy_dtype, n)] = numpy_dtype(n)
+        np.divide(total, divisor, out=total)
+    return out
+
+
+_DIVISORS = {}
 
 
 def _combine(total, t, op):

@@ -121,7 +121,7 @@ def verdict(key, members, by_rank):
         by_rank: rank -> announcement, for every member.
     """
     meta = by_rank[members[0]][0]
-    if meta[-1][0] != "refused" and meta != JOINED and all(by_rank[r][0] == meta for r in members):
+    if meta[-1][0] != "refused" and meta != JOINED and _agree(meta, members, by_rank):
         # The common case: every member agrees, and none has joined or refused.
         return Verdict(_action(meta[0][1], meta, members, members, by_rank), meta)
     label = f"{key.partition('.')[0]} {user_name(key)!r}"
@@ -145,13 +145,23 @@ def verdict(key, members, by_rank):
     return Verdict(_action(kind, meta, members, present, by_rank), meta, joined=joined)
 
 
+def _agree(meta, members, by_rank):
+    for r in members:  # (a loop, not all() over a generator: this runs for every op)
+        if by_rank[r][0] != meta:
+            return False
+    return True
+
+
 def _action(kind, meta, members, present, by_rank):
     """LOCAL when the data every rank needs came with the announcements, else ORDERED (pure)."""
     if kind == "barrier":
         return LOCAL
     if kind == "allreduce":
         # A rank sends its data only for a small CPU op, so data from every rank means one.
-        return LOCAL if all(by_rank[r][2] is not None for r in present) else ORDERED
+        for r in present:
+            if by_rank[r][2] is None:
+                return ORDERED
+        return LOCAL
     if kind == "broadcast":
         return LOCAL if by_rank[members[dict(meta)["root"]]][2] is not None else ORDERED
     return ORDERED
@@ -182,6 +192,9 @@ class Board:
 
     def __len__(self):
         return len(self._entries)
+
+    def __contains__(self, key):
+        return key in self._entries
 
     def add(self, rank, key, announcement, now):
         """Record ``rank``'s announcement of ``key``; True when every member has now announced it."""

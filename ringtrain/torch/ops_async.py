@@ -36,45 +36,48 @@ def resolve_op(op, average):
     return Average if op is None else op
 
 
-def _set_of(process_set, who):
-    """``(process set, its id)``, checked: registered, and this rank in it."""
+def _set_id(process_set, who):
+    """The process set's id, checked: registered, and this rank in it."""
     ps = global_process_set if process_set is None else process_set
-    if ps.process_set_id is None:
+    set_id = ps.process_set_id
+    if set_id is None:
         raise ValueError(f"{who}: the process set is not registered; call hvd.add_process_set() first")
-    if ps.process_set_id != 0 and runtime.rank() not in ps.ranks:
+    if set_id != 0 and runtime.rank() not in ps.ranks:
         raise ValueError(f"{who}: this rank ({runtime.rank()}) is not in {ps}")
-    return ps, ps.process_set_id
+    return set_id
 
 
-def submit(kind, name, process_set, describe, exact=False):
+def submit(kind, name, process_set, describe, *arguments, exact=False):
     """Submit one op; return its :class:`~ringtrain.torch.handles.Pending`.
 
-    ``describe()`` returns ``(meta, info, args)``, or raises ValueError for
-    an argument this rank refuses: the set's members are then told, so they
-    fail the op too. ``name`` is the user's (None: ``noname.<n>``); the op is
-    matched by ``"<kind>.<name>"`` unless ``exact``.
+    ``describe(*arguments)`` returns ``(meta, info, args)``, or raises
+    ValueError for an argument this rank refuses: the set's members are then
+    told, so they fail the op too. ``name`` is the user's (None:
+    ``noname.<n>``); the op is matched by ``"<kind>.<name>"`` unless ``exact``.
     """
     engine = runtime.current().engine
-    ps, set_id = _set_of(process_set, kind)
-    if name is None:
-        name = engine.names.next(set_id, kind)
-    name = str(name)
+    set_id = _set_id(process_set, kind)
+    name = engine.names.next(set_id, kind) if name is None else str(name)
     try:
-        meta, info, args = describe()
+        meta, info, args = describe(*arguments)
     except ValueError as exc:
         engine.refuse(kind, str(exc), set_id, name)
         raise ValueError(str(exc)) from None
     key = name if exact else op_key(kind, name)
-    cuda = bool(args) and _any_cuda(args)
-    if cuda:
-        torch.cuda.current_stream().synchronize()  # another thread may read the tensors next
-    local = (kind in ("allreduce", "broadcast") and not cuda and meta[0][1] == kind and len(meta) > 3
-             and meta[3][1] != "adasum" and 0 < args[0].numel() * args[0].element_size() <= LOCAL_BYTES)
+    local = False
+    if args:
+        first = args[0]
+        if _any_cuda(first, args):
+            torch.cuda.current_stream().synchronize()  # another thread may read the tensors next
+        elif kind in LOCAL_KINDS and len(meta) > 3 and meta[3][1] != "adasum":  # (a grouped meta has 2 fields)
+            local = 0 < first.numel() * first.element_size() <= LOCAL_BYTES
     return engine.submit(set_id, Entry(key, (name, set_id), kind, meta, info, args, handles.Pending(), local))
 
 
-def _any_cuda(args):
-    first = args[0]
+LOCAL_KINDS = ("allreduce", "broadcast")  # the kinds whose small CPU ops go with their announcements
+
+
+def _any_cuda(first, args):
     if isinstance(first, torch.Tensor):
         return first.is_cuda  # a single op's input and output are on one device (checked by its kind)
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in _tensors(args))
@@ -99,7 +102,9 @@ _METAS = {}  # what a reduction is announced with, one tuple per distinct op (ch
 
 
 def _reduce_meta(kind, tensor, op, prescale_factor, postscale_factor):
-    _checked(tensor, kind)
+    problem = check_tensor(tensor, kind)
+    if problem is not None:
+        raise ValueError(problem)
     key = (kind, tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, tensor.is_cuda)
     meta = _METAS.get(key)
     if meta is None:
@@ -124,26 +129,30 @@ def _group(kind, describe_one, tensors):
     return describe
 
 
+def _describe_allreduce(tensor, op, prescale_factor, postscale_factor, in_place):
+    meta = _reduce_meta("allreduce", tensor, op, prescale_factor, postscale_factor)
+    out = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return meta, None, (tensor, out)
+
+
 def _allreduce_one(op, prescale_factor, postscale_factor, in_place):
     def describe(tensor):
-        meta = _reduce_meta("allreduce", tensor, op, prescale_factor, postscale_factor)
-        out = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return meta, None, (tensor, out)
+        return _describe_allreduce(tensor, op, prescale_factor, postscale_factor, in_place)
     return describe
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     """Start reducing ``tensor`` across the set's ranks into a new tensor; return a handle."""
-    one = _allreduce_one(resolve_op(op, average), prescale_factor, postscale_factor, in_place=False)
-    return handles.register(submit("allreduce", name, process_set, lambda: one(tensor)))
+    return handles.register(submit("allreduce", name, process_set, _describe_allreduce, tensor,
+                                   resolve_op(op, average), prescale_factor, postscale_factor, False))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
     """Start reducing ``tensor`` in place; return a handle."""
-    one = _allreduce_one(resolve_op(op, average), prescale_factor, postscale_factor, in_place=True)
-    return handles.register(submit("allreduce", name, process_set, lambda: one(tensor)))
+    return handles.register(submit("allreduce", name, process_set, _describe_allreduce, tensor,
+                                   resolve_op(op, average), prescale_factor, postscale_factor, True))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

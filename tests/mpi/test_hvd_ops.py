@@ -87,6 +87,31 @@ def test_allreduce_average_and_scale_factors():
 
 
 @pytest.mark.mpi
+def test_the_same_tensors_reduced_again_after_a_change_give_the_new_values():
+    # Small ops read CPU tensors through cached NumPy views: a later call on the same (or a strided,
+    # or a detached) tensor must see what the tensor holds now, never what it held at the first call.
+    rank = COMM.Get_rank()
+    base, values = _data((8, 6), torch.float32, seed=rank + 40)
+    cases = {"strided": lambda: base.t(), "contiguous": lambda: base, "detached": lambda: base.detach()}
+    for step in range(3):
+        base.add_(1.0)
+        total = _everyone(values + step + 1).sum(0)
+        for what, view in cases.items():
+            np.testing.assert_array_equal(hvd.allreduce(view(), op=hvd.Sum, name=what).numpy(),
+                                          total.T if what == "strided" else total, err_msg=f"{what} step {step}")
+            np.testing.assert_array_equal(hvd.allreduce(view(), op=hvd.Average, name=what).numpy(),
+                                          _average(total.T if what == "strided" else total),
+                                          err_msg=f"{what} average step {step}")
+        in_place = base.clone().t()
+        hvd.allreduce_(in_place, op=hvd.Sum, name="in place")
+        np.testing.assert_array_equal(in_place.numpy(), total.T, err_msg=f"in place step {step}")
+
+
+def _average(total):
+    return total.astype(np.float32) / np.float32(COMM.Get_size())
+
+
+@pytest.mark.mpi
 def test_bool_allreduce_is_logical():
     tensor, values = _data((8,), torch.bool, seed=COMM.Get_rank())
     everyone = _everyone(values.astype(np.float64)) > 0
