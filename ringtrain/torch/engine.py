@@ -58,8 +58,18 @@ What fails how.
   ``RINGTRAIN_TIMEOUT``; off by default): an op of this rank that has not
   finished within it fails, the rank prints one line naming the op and the
   ranks that have not submitted it, and the job is ended with ``MPI_Abort``.
+* **Helpers that run around the engine** (``broadcast_parameters``,
+  ``broadcast_object``, ``allgather_object``, ``broadcast_optimizer_state``,
+  the ``DistributedOptimizer``'s reductions, ``SyncBatchNorm``) are plain
+  collectives on a communicator, called inside :meth:`Engine.helper`: one
+  called once the engine is broken raises ``HorovodInternalError`` at once;
+  one that is inside MPI when a peer shuts down, fails or stalls can never
+  return (nothing interrupts a blocking MPI call), so after
+  :data:`HELPER_GRACE_S` the rank prints a line naming it and the job is
+  ended with ``MPI_Abort``; past ringtrain's bound the same, naming it.
 """
 
+import itertools
 import os
 import sys
 import threading
@@ -73,10 +83,13 @@ from .errors import HorovodInternalError
 from .handles import Pending
 from .negotiation import Names, op_key
 
-__all__ = ["Engine", "Entry", "stall_times", "GRACE_S"]
+__all__ = ["Engine", "Entry", "stall_times", "GRACE_S", "HELPER_GRACE_S"]
 
 NOTICE_TAG = 11
 GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print how its ops failed
+# A helper still inside MPI this long after a peer left cannot be waiting for anything but that peer: a peer
+# that had done its part before it left lets the helper return within moments, even on a loaded machine.
+HELPER_GRACE_S = 5.0
 
 
 def stall_times(env=None):
@@ -124,6 +137,9 @@ class Engine:
         self.timeline_path = None
         self.broken = None          # why ops fail now, once this engine is shutting down
         self.failed = False         # a rank failed: the job is ending, so nothing is freed
+        self._peer_gone = None      # when word came that a peer shut down, failed or stalled
+        self._helpers = {}          # token -> (label, started): helpers inside their collectives now
+        self._tokens = itertools.count()
         self._notices = comm.Dup()
         self._notice_lock = threading.Lock()
         self._sends = []
@@ -173,6 +189,14 @@ class Engine:
         except (HorovodInternalError, ValueError):
             pass  # broken, not a member, or the name is in flight: the caller's ValueError says enough
 
+    def helper(self, label):
+        """A context for a helper's collectives on a communicator of its own (see the module docstring).
+
+        Raises HorovodInternalError at once if the engine is broken (a peer
+        has shut down or failed: the helper would wait for it for ever).
+        """
+        return _Helper(self, label)
+
     # Process sets' channels (made and dropped inside call(), on every rank in the same order).
 
     def add_channel(self, set_id, ranks, data, control):
@@ -212,6 +236,7 @@ class Engine:
         """A set's leader saw an op wait past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: shut down on every rank."""
         self._tell_everyone(reason, failure=False)
         self._break(reason, failure=False)
+        self._peer_gone = self._peer_gone or time.monotonic()
 
     def excepthook(self, previous):
         """``sys.excepthook`` while the engine runs: print, fail every rank's ops, then end the job."""
@@ -260,8 +285,10 @@ class Engine:
                 kind, rank, *body = message.recv()
                 if kind == "r":
                     self.reports[rank] = body[0]
-                elif self.broken is None or (body[1] and not self.failed):
-                    self._break(body[0], failure=body[1])
+                else:
+                    self._peer_gone = self._peer_gone or time.monotonic()
+                    if self.broken is None or (body[1] and not self.failed):
+                        self._break(body[0], failure=body[1])
             self._sends = [r for r in self._sends if not r.Test()]
 
     # The watch: notices, idle leaders' mail, reports, and ringtrain's bound.
@@ -275,6 +302,7 @@ class Engine:
                     channel.idle_poll(now)
                 self._report(now)
                 self._check_bound(now)
+                self._check_helpers(now)
             except Exception as exc:  # noqa: BLE001 - a watch that dies silently would hide every later stall
                 if self._stop.is_set():
                     return
@@ -306,11 +334,50 @@ class Engine:
         who = (f"; rank(s) {missing} have not submitted it" if missing else
                f"; process set {channel.set_id}'s leader (rank {channel.leader}) has not matched it")
         line = f"rank {self.rank}: {entry.label} did not finish within {bound:g}s{who} ({HINT})"
+        entry.pending.fail(HorovodInternalError(line))
+        self._end(line, f"rank {self.rank} timed out: {entry.label} did not finish within {bound:g}s{who}",
+                  min(GRACE_S, bound))
+
+    def _check_helpers(self, now):
+        """End the job when a helper is stuck in MPI: past ringtrain's bound, or after a peer has gone."""
+        if not self._helpers or self.size == 1:
+            return
+        bound = get_timeout(self.user_comm)
+        for label, started in list(self._helpers.values()):
+            if bound is not None and now - started > bound:
+                line = f"rank {self.rank}: {label} did not finish within {bound:g}s"
+                return self._end(f"{line} ({HINT})", line.replace(":", " timed out:", 1), min(GRACE_S, bound))
+            gone = self._peer_gone
+            if gone is not None and now - max(gone, started) > HELPER_GRACE_S:
+                line = f"rank {self.rank}: {label} cannot finish: {self.broken}; ending the job"
+                return self._end(line, line, GRACE_S)
+
+    def _end(self, line, reason, grace):
+        """Print ``line``, fail every rank's ops with ``reason``, give them ``grace`` to print theirs, abort."""
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
-        entry.pending.fail(HorovodInternalError(line))
-        self.fail_job(f"rank {self.rank} timed out: {entry.label} did not finish within {bound:g}s{who}")
-        time.sleep(min(GRACE_S, bound))
+        self.fail_job(reason)
+        time.sleep(grace)
         sys.stdout.flush()
         self.user_comm.Abort(1)
 
+
+class _Helper:
+    """The context of :meth:`Engine.helper`: registered with the watch while it runs (cheap: it wraps hooks)."""
+
+    __slots__ = ("engine", "label", "token")
+
+    def __init__(self, engine, label):
+        self.engine, self.label, self.token = engine, label, None
+
+    def __enter__(self):
+        engine = self.engine
+        if engine.broken is not None:
+            raise HorovodInternalError(f"{self.label}: {engine.broken}")
+        self.token = next(engine._tokens)
+        engine._helpers[self.token] = (self.label, time.monotonic())
+        return self
+
+    def __exit__(self, *exc_info):
+        self.engine._helpers.pop(self.token, None)
+        return False

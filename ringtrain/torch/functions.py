@@ -13,6 +13,7 @@ The typical start of a Horovod script::
 """
 
 import collections
+import functools
 import pickle
 
 import numpy as np
@@ -32,6 +33,22 @@ def _comm(process_set):
     return scope.communicator_of(process_set)
 
 
+def _helper(function):
+    """Run ``function`` as a helper the engine watches: it fails, or the job ends, when a peer has gone.
+
+    These collectives run on the caller's communicator, not through the
+    engine; without this, one called after a peer's ``shutdown`` (or
+    ``sys.exit``) would wait for that peer for ever (engine.py's contract).
+    """
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        scope.communicator_of(None)  # ValueError before init, as Horovod's
+        with runtime.current().engine.helper(function.__name__):
+            return function(*args, **kwargs)
+    return run
+
+
+@_helper
 def broadcast_parameters(params, root_rank=0, process_set=None):
     """Overwrite ``params`` with ``root_rank``'s, in place (collective).
 
@@ -56,6 +73,7 @@ def broadcast_parameters(params, root_rank=0, process_set=None):
     broadcast_tensors_(tensors, root=scope.set_rank(process_set, root_rank), comm=_comm(process_set))
 
 
+@_helper
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Return ``root_rank``'s ``obj`` on every rank, pickled (collective; ``name`` is accepted for Horovod)."""
     comm = _comm(process_set)
@@ -73,6 +91,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     return pickle.loads(words.view(np.uint8)[: int(length[0])].tobytes())
 
 
+@_helper
 def allgather_object(obj, name=None, process_set=None):
     """Return every rank's ``obj``, in rank order, pickled (collective; ``name`` is accepted for Horovod)."""
     comm = _comm(process_set)
@@ -92,6 +111,7 @@ def allgather_object(obj, name=None, process_set=None):
             for r in range(size)]
 
 
+@_helper
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=None):
     """Give every rank ``root_rank``'s optimizer state and options (``lr``, ``momentum``...), in place (collective).
 

@@ -77,6 +77,9 @@ _ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but b
                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally.")
+# How the engine's watch names the optimizer's reductions (engine.py: helpers that run around the engine).
+_IN_BACKWARD = "DistributedOptimizer: a gradient bucket's reduction in backward()"
+_IN_STEP = "DistributedOptimizer: the gradient reduction in step() or synchronize()"
 _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
                     "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
@@ -163,7 +166,8 @@ class _DistributedOptimizer:
         self._pending.add(p)
         self._delay[p] -= 1
         if self._delay[p] == 0:
-            self._buckets.push(p)
+            with runtime.current().engine.helper(_IN_BACKWARD):  # may reduce a bucket on this thread
+                self._buckets.push(p)
 
     def set_backward_passes_per_step(self, passes):
         """Accumulate ``passes`` backward passes locally before each reduction."""
@@ -178,7 +182,8 @@ class _DistributedOptimizer:
         bucket (see the module's warning).
         """
         if self._buckets is not None:
-            self._buckets.finish()
+            with runtime.current().engine.helper(_IN_STEP):
+                self._buckets.finish()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self._pending.clear()
@@ -211,7 +216,8 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict):
         """Load the wrapped optimizer's state, forgetting any backward pass not yet reduced."""
         if self._pending and self._buckets is not None:
-            self._buckets.finish()  # collective: every rank had the same passes in flight
+            with runtime.current().engine.helper(_IN_STEP):
+                self._buckets.finish()  # collective: every rank had the same passes in flight
         self._pending.clear()
         self._synchronized = False
         self._should_synchronize = True
@@ -277,8 +283,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     except (ValueError, NotImplementedError) as exc:
         refusal = exc
     if comm is not None:
-        _agree(plan, refusal, named, (op, compression, gradient_predivide_factor), named_parameters is not None,
-               process_set)
+        with runtime.current().engine.helper("DistributedOptimizer"):
+            _agree(plan, refusal, named, (op, compression, gradient_predivide_factor), named_parameters is not None,
+                   process_set)
     if refusal is not None:
         raise refusal
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {"__module__": __name__})

@@ -21,6 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm import allreduce
 from . import process_sets as scope
+from . import runtime
 from .interop import as_array, as_tensor
 
 __all__ = ["SyncBatchNorm"]
@@ -32,7 +33,8 @@ def _reduce(tensor, comm):
     if tensor.device.type == "cuda":
         # ringtrain reads the memory next, through CuPy: torch's kernels must be done.
         torch.cuda.current_stream(tensor.device).synchronize()
-    return as_tensor(allreduce(as_array(tensor), op="sum", comm=comm)).to(tensor.device)
+    with runtime.current().engine.helper("SyncBatchNorm: the statistics' allreduce"):
+        return as_tensor(allreduce(as_array(tensor), op="sum", comm=comm)).to(tensor.device)
 
 
 class _AllreduceSum(torch.autograd.Function):

@@ -101,3 +101,35 @@ def test_ringtrains_bound_names_the_users_op_and_the_missing_rank_and_ends_the_j
     lines = re.findall(r"rank (\d+): allreduce '(?:pending|loss)' did not finish within 5s; rank\(s\) \[1\] have not "
                        r"submitted it", result.stderr)
     assert set(lines) <= {str(r) for r in range(np) if r != 1} and lines, show(result)
+
+
+# --- helpers that run around the engine: broadcast_parameters, the optimizer's reductions, hvd.elastic ---
+
+def test_a_rank_that_exits_in_backward_fails_a_later_helper_and_ends_a_rank_stuck_in_its_reduction():
+    # Rank 1 exits inside its backward; rank 2 is in the optimizer's gradient reduction (a collective
+    # that rank 1 never joins); rank 0 calls an op and then broadcast_parameters after hearing of it.
+    result = job(3, "exit-helpers", timeout=60)
+    assert result.returncode != 0, show(result)
+    assert "rank 0: probe failed: allreduce 'probe': rank 1 has been shut down" in result.stdout, show(result)
+    assert "rank 0: broadcast_parameters failed: broadcast_parameters: rank 1 has been shut down" in result.stdout, \
+        show(result)
+    assert re.search(r"rank 2: DistributedOptimizer: a gradient bucket's reduction in backward\(\) cannot finish: "
+                     r"rank 1 has been shut down", result.stderr), show(result)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_ringtrains_bound_reaches_the_optimizers_reductions_and_names_them(np):
+    # Rank 1 sleeps two minutes before its backward: only the bound can end the job within the test's.
+    result = job(np, "bound-optimizer", timeout=60, RINGTRAIN_TIMEOUT="5")
+    assert result.returncode != 0, show(result)
+    waiting = re.findall(r"rank (\d+): DistributedOptimizer: [^\n]* did not finish within 5s", result.stderr)
+    assert waiting and set(waiting) <= {str(r) for r in range(np) if r != 1}, show(result)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_rank_that_exits_in_an_elastic_loop_ends_the_job_instead_of_retrying_without_it(np):
+    # An MPI world cannot lose a rank: hvd.elastic.run must not restore and retry in a broken engine
+    # (its state.sync would wait for the gone rank for ever); the job ends, for the launcher to restart.
+    result = job(np, "exit-elastic", timeout=60)
+    assert result.returncode != 0, show(result)
+    assert "rank 1 has been shut down" in result.stderr, show(result)

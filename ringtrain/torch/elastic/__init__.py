@@ -42,7 +42,7 @@ import sys
 
 from ...io.safeio import printable
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
-from ..runtime import rank, size
+from ..runtime import current, rank, size
 from ...cluster.elastic import RESTART_STATUS
 from ...errors import UsageError
 from .commits import CommitStore
@@ -87,6 +87,10 @@ def _run(func, state, args, kwargs, store):
             skip_sync = exc.skip_sync
         except HorovodInternalError as exc:
             if isinstance(exc, UsageError):  # ranks that disagree: the same mismatch on every try
+                raise
+            if current().engine.broken is not None:
+                # A peer shut down, failed or stalled: the engine stays broken, and an MPI world cannot lose a
+                # rank, so no try in this process can succeed. Ending it lets the launcher restart the job.
                 raise
             state.restore()
             skip_sync = False

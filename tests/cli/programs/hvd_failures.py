@@ -11,7 +11,12 @@ CASE is what rank 1 does while the others submit the op ``loss``:
   ``mine``, an op no other rank submits, and synchronizes it after its own shutdown);
 * ``stall``: arrives 20 s late (Horovod's test_stall: check 2 s, shut down 5 s);
 * ``bound``: never arrives (the job runs under ``RINGTRAIN_TIMEOUT``);
-* ``set-stall``: ranks 1 and 2 make a process set, and rank 2 is 4 s late to its op (check 1 s).
+* ``set-stall``: ranks 1 and 2 make a process set, and rank 2 is 4 s late to its op (check 1 s);
+* ``exit-helpers``: every rank builds a ``DistributedOptimizer``; rank 1 calls ``sys.exit(3)`` inside
+  its backward, while rank 2 is in its own backward (in the gradient reduction, a collective that runs
+  around the engine); rank 0 waits for an op rank 1 never submits, then calls ``broadcast_parameters``;
+* ``bound-optimizer``: rank 1 sleeps two minutes before its backward (under ``RINGTRAIN_TIMEOUT``);
+* ``exit-elastic``: an ``hvd.elastic.run`` loop in which rank 1 calls ``sys.exit(3)`` at step 2.
 
 Every other rank prints one line per op: ``<op> failed: <message>`` or
 ``<op> ok``. In ``stall`` each waiting rank, once its op has failed, tells
@@ -95,6 +100,50 @@ def set_stall():
         MPI.COMM_WORLD.send(True, dest=0, tag=WORD)
 
 
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    return model, optimizer
+
+
+def train_step(model, optimizer, pause=0.0):
+    optimizer.zero_grad()
+    loss = model(torch.randn(8, 64)).sum()
+    time.sleep(pause)  # before backward: its hooks would start this rank's reductions
+    loss.backward()
+    optimizer.step()
+
+
+def exit_helpers():
+    model, optimizer = model_and_optimizer()
+    if hvd.rank() == 1:
+        model[1].weight.register_hook(lambda grad: sys.exit(3))
+    if hvd.rank() == 0:  # hears of rank 1's exit, then calls a helper: it must fail, not wait
+        attempt("probe", lambda: hvd.allreduce(torch.ones(2), name="probe"))
+        attempt("broadcast_parameters", lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0))
+        time.sleep(60)  # the job ends with rank 2, which cannot leave its collective
+    train_step(model, optimizer)
+
+
+def exit_elastic():
+    model, optimizer = model_and_optimizer()
+    state = hvd.elastic.TorchState(model, optimizer, step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < 5:
+            if hvd.rank() == 1 and state.step == 2:
+                sys.exit(3)
+            hvd.allreduce(torch.ones(1), name="metric")  # rank 0 waits here when rank 1 exits
+            train_step(model, optimizer)
+            state.step += 1
+            state.commit()
+
+    train(state)
+
+
 def main(case):
     if case == "stall":
         os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="5")
@@ -103,6 +152,13 @@ def main(case):
     hvd.init()
     if case == "set-stall":
         return set_stall()
+    if case == "exit-helpers":
+        return exit_helpers()
+    if case == "exit-elastic":
+        return exit_elastic()
+    if case == "bound-optimizer":
+        model, optimizer = model_and_optimizer()
+        return train_step(model, optimizer, pause=120 if hvd.rank() == 1 else 0)
     hvd.allreduce(torch.ones(2), name="warm-up")
     if case == "shutdown":  # a name of each rank's own: it never completes
         MINE.append(hvd.allreduce_async(torch.ones(2), name=f"mine.{hvd.rank()}"))
