@@ -54,8 +54,8 @@ __all__ = [
 
 def __getattr__(name):
     # The PyTorch side on first use (ringtrain.interop, ringtrain.TorchModel):
-    # torch is optional and imported only inside their functions, but loading
-    # the modules lazily keeps `import ringtrain` lean.
+    # they need torch (ringtrain.torch says how to install it when it is
+    # missing), and loading them lazily keeps `import ringtrain` torch-free.
     import importlib
 
     if name == "interop":

@@ -6,6 +6,7 @@ purpose.
 """
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -18,6 +19,11 @@ SIZES = [1, 2, 3, 4]
 # Files whose every test needs a GPU: without one, each job would start four
 # ranks only to skip everything, so the job itself is skipped, saying why.
 GPU_ONLY = {os.path.join("tests", "mpi", name) for name in ("test_gpu.py", "test_cuda_ipc.py")}
+# Files whose every test needs torch: skipped the same way where torch is not
+# installed (the [test] extra alone), instead of an exit 5 from a file that
+# skips itself whole at import.
+TORCH_ONLY = {os.path.join("tests", "mpi", f"test_{name}.py")
+              for name in ("elastic", "hvd_ops", "hvd_process_sets", "interop", "torch_model", "torch_optimizer")}
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -25,6 +31,8 @@ GPU_ONLY = {os.path.join("tests", "mpi", name) for name in ("test_gpu.py", "test
 def test_under_mpirun(path, size):
     if path in GPU_ONLY and not _gpu_available():
         pytest.skip("no CUDA GPU visible to CuPy on this machine: every test in this file needs one")
+    if path in TORCH_ONLY and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (pip install torch==2.13.0): every test in this file needs it")
     result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
                            "-x", path], timeout=300)
     # Exit 5 ("no tests collected") fails too: every file has tests at every
@@ -37,3 +45,12 @@ def _gpu_available():
     from ringtrain import backend
 
     return backend.gpu_available()
+
+
+def test_files_that_skip_whole_without_torch_are_torch_only():
+    # CI always installs torch, so an unlisted file that skips itself at import
+    # would only fail (exit 5) for a user of the [test] extra alone.
+    for path in FILES:
+        with open(os.path.join(ROOT, path)) as fh:
+            skips_whole = 'importorskip("torch"' in fh.read()
+        assert not skips_whole or path in TORCH_ONLY, f"{path} skips whole without torch: add it to TORCH_ONLY"

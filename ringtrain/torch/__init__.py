@@ -5,6 +5,12 @@
 * :class:`ringtrain.torch.TorchModel`: any ``nn.Module`` through the trainer.
 """
 
+try:
+    import torch  # noqa: F401 - every module below but interop and model imports it at the top
+except ModuleNotFoundError as exc:  # one line that names the fix, not a traceback through five modules
+    raise ModuleNotFoundError("ringtrain.torch needs torch, which is not installed: pip install torch==2.13.0 "
+                              "(or the [torch] extra)", name="torch") from exc
+
 from . import interop
 from .model import TorchModel
 

@@ -5,8 +5,8 @@ ringtrain's collectives can reduce the gradients where PyTorch keeps them.
 :func:`as_array` and :func:`as_tensor` are the two directions of that view
 (NumPy for CPU tensors; CuPy through DLPack for CUDA tensors), which
 :class:`ringtrain.torch.TorchModel` builds on to train any module
-through the trainer. torch is optional: it is imported only by the
-functions that need it.
+through the trainer. It needs torch, as the rest of :mod:`ringtrain.torch`
+does; ``import ringtrain`` alone does not load it.
 
 CUDA tensors are reduced through the GPU path (CUDA IPC on one host, a
 CUDA-aware MPI or host staging across hosts) after torch's stream is
