@@ -345,8 +345,9 @@ class Engine:
         bound = get_timeout(self.user_comm)
         for label, started in list(self._helpers.values()):
             if bound is not None and now - started > bound:
-                line = f"rank {self.rank}: {label} did not finish within {bound:g}s"
-                return self._end(f"{line} ({HINT})", line.replace(":", " timed out:", 1), min(GRACE_S, bound))
+                what = f"{label} did not finish within {bound:g}s"
+                return self._end(f"rank {self.rank}: {what} ({HINT})", f"rank {self.rank} timed out: {what}",
+                                 min(GRACE_S, bound))
             gone = self._peer_gone
             if gone is not None and now - max(gone, started) > HELPER_GRACE_S:
                 line = f"rank {self.rank}: {label} cannot finish: {self.broken}; ending the job"
