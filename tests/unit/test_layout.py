@@ -15,7 +15,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # modules at the top sit low (errors, backend) or in the middle (failure,
 # watchdog, optim); the faces (cli, commands, horovod, the package __init__) sit on top.
 LEVELS = {
-    "errors": 0, "backend": 0,
+    "errors": 0, "backend": 0, "environment": 0,
     "failure": 1, "watchdog": 1, "optim": 1, "io": 1, "cluster": 1, "data": 1,
     "comm": 2, "models": 2,
     "training": 3, "torch": 3,
