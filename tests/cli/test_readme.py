@@ -1,7 +1,8 @@
 """The code in the README and in every docs page works: Python runs, shell lines parse, config files load.
 
 Each Python block runs as pasted, from an empty directory, under real mpirun at 2 ranks with a
-time bound (a block that appears on two pages runs once). An HTML comment right before a block
+time bound (a block that appears on two pages runs once; docs/pytorch-patterns.md's run in
+tests/cli/test_pytorch_patterns.py, which also checks their output). An HTML comment right before a block
 may name a command to run first (``<!-- docs-test: after `ringtrain train ...` -->``), for a block
 that reads what that command writes, or ask only that it compile (``<!-- docs-test: parse -->``).
 Shell blocks hold installs, cluster and Slurm lines that cannot run here, so each must pass
@@ -30,10 +31,14 @@ def _blocks(*langs):
     return [(page, fence.line, fence) for page in SOURCES for fence in fences(read(page)) if fence.lang in langs]
 
 
+# Pages whose programs another test runs, with checks of its own (their output, a second run).
+RUN_ELSEWHERE = {os.path.join("docs", "pytorch-patterns.md"): "tests/cli/test_pytorch_patterns.py"}
+
+
 def _unique_python():
     seen, found = set(), []
     for page, line, fence in _blocks("python"):
-        if fence.code not in seen:
+        if fence.code not in seen and page not in RUN_ELSEWHERE:
             seen.add(fence.code)
             found.append((page, line, fence))
     return found
