@@ -118,6 +118,7 @@ def _main_collective(argv):
     args = prepared = problem = None
     try:
         args = build_parser().parse_args(argv)
+        _check_environment(os.environ)
         prepared = args._prepare(args)
     except UsageError as exc:
         problem = str(exc)
@@ -132,6 +133,20 @@ def _main_collective(argv):
     if verdict is not None:
         raise UsageError(verdict, everywhere=True)
     return args._run(args, prepared) or 0
+
+
+def _check_environment(env):
+    """Read the numbers a run takes from the environment, on every rank, so a bad one is agreed on.
+
+    Rank 0 alone reads the Slurm job's end while training, and the library reads its bound at the
+    first collective: read here first, garbage in either is refused before anything is written.
+    """
+    from .cluster.slurm import job_end_time, job_id
+    from .comm.guard import timeout_from_env
+
+    timeout_from_env(env)
+    job_end_time(env)
+    job_id(env)
 
 
 def _agree_at_start_up(problem, timeout):
@@ -178,11 +193,7 @@ def _default_timeout():
 
 def _rank0():
     # Without importing MPI: argument errors may happen before MPI is needed.
-    import os
-
-    from .cluster.launch import rank_from_env
-
-    return rank_from_env(os.environ) in (None, 0)
+    return _rank_from_env() in (None, 0)
 
 
 def _who_reports():
@@ -209,15 +220,19 @@ _HYDRA_CONNECTION = {"PMI_FD", "PMI_PORT"}
 
 
 def _rank_from_env():
+    # Asked while an error is reported: a rank variable that holds no number (the error, perhaps) is no rank.
     from .cluster.launch import rank_from_env
 
-    return rank_from_env(os.environ)
+    try:
+        return rank_from_env(os.environ)
+    except UsageError:
+        return None
 
 
 def _rank_variable():
     from .cluster.launch import RANK_VARIABLES
 
-    return next(name for name in RANK_VARIABLES if os.environ.get(name, "").isdigit())
+    return next(name for name in RANK_VARIABLES if os.environ.get(name, "").strip())
 
 
 def main(argv=None):

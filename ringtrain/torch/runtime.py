@@ -19,7 +19,8 @@ import threading
 
 from .. import backend
 from ..cluster.topology import TaskSpec, node_layout
-from .engine import Engine
+from ..failure import verdict_of
+from .engine import Engine, settings_problem
 from .process_sets import ProcessSets, add_process_set
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -106,6 +107,7 @@ def init(comm=None, process_sets=None):
             return
         communicator_, owned = _communicator_from(comm)
         runtime = Runtime(communicator_, owned)
+        _refuse_bad_settings(communicator_)
         if not runtime.threads_multiple and runtime.spec.size > 1:
             raise ValueError("ringtrain.torch needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
@@ -121,6 +123,19 @@ def init(comm=None, process_sets=None):
         _runtime = runtime
     for ps in process_sets or []:
         add_process_set(ps)
+
+
+def _refuse_bad_settings(comm):
+    """Exit with status 2 on every rank, one line from the first, when any rank's settings are bad (collective).
+
+    Agreed before anything starts: a rank that left alone would hold the others in their first op.
+    """
+    verdict = verdict_of(comm.allgather(settings_problem()))
+    if verdict is None:
+        return
+    if comm.Get_rank() == 0:
+        print(f"ringtrain: error: {verdict}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def shutdown():
