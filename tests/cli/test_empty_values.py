@@ -16,7 +16,7 @@ import mpirun
 from mpirun import show
 from refusals import snapshot
 from ringtrain import cli
-from ringtrain.commands import given
+from ringtrain import commands as commands_package
 
 SMALL = ["--dataset", "synthetic", "--samples", "100", "--features", "4", "--classes", "3", "--hidden", "4",
          "--epochs", "1", "--no-progress"]
@@ -27,10 +27,11 @@ REST = {"train": SMALL, "launch": ["--dry-run", "-np", "1", "--", "true"], "plot
 
 def text_flags():
     """``[(command, flag or positional, action)]``: every argument of every command that takes free text."""
+    given = getattr(commands_package, "given", None)
     found = []
     parser = cli.build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for command, sub in commands.choices.items():
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, sub in subcommands.choices.items():
         for action in sub._actions:
             takes_text = action.nargs in (None, "?") and not action.choices and action.type in (None, str, given)
             if isinstance(action, (argparse._StoreAction,)) and takes_text and action.dest != "help":
@@ -39,6 +40,8 @@ def text_flags():
 
 
 def test_every_flag_that_takes_text_refuses_an_empty_one():
+    from ringtrain.commands import given
+
     unchecked = [f"{command} {flag}" for command, flag, action in text_flags() if action.type is not given]
     assert not unchecked, f"take text but accept '' as if not given (add type=given): {unchecked}"
     names = {f"{command} {flag}" for command, flag, _ in text_flags()}
