@@ -118,7 +118,6 @@ def _main_collective(argv):
     args = prepared = problem = None
     try:
         args = build_parser().parse_args(argv)
-        _check_environment(os.environ)
         prepared = args._prepare(args)
     except UsageError as exc:
         problem = str(exc)
@@ -133,20 +132,6 @@ def _main_collective(argv):
     if verdict is not None:
         raise UsageError(verdict, everywhere=True)
     return args._run(args, prepared) or 0
-
-
-def _check_environment(env):
-    """Read the numbers a run takes from the environment, on every rank, so a bad one is agreed on.
-
-    Rank 0 alone reads the Slurm job's end while training, and the library reads its bound at the
-    first collective: read here first, garbage in either is refused before anything is written.
-    """
-    from .cluster.slurm import job_end_time, job_id
-    from .comm.guard import timeout_from_env
-
-    timeout_from_env(env)
-    job_end_time(env)
-    job_id(env)
 
 
 def _agree_at_start_up(problem, timeout):
