@@ -333,6 +333,27 @@ def test_train_under_mpirun_refuses_a_bad_value_in_one_line_and_writes_nothing(t
     assert len(result.stderr.strip().splitlines()) == 1, show(result)
 
 
+LIBRARY_SCRIPT = (
+    "import sys\nimport ringtrain\n"
+    "config = ringtrain.TrainConfig(dataset='synthetic', samples=100, features=4, classes=3, hidden=(4,), epochs=1,\n"
+    "                               run_dir='lib', progress=False)\n"
+    "try:\n    ringtrain.train(config)\nexcept ringtrain.UsageError as exc:  # as a program's main would\n"
+    "    print(f'refused: {exc}', flush=True)\n    sys.exit(2)\n")
+
+
+def test_the_library_refuses_a_bad_value_on_every_rank_before_writing(tmp_path):
+    # Rank 0 alone reads the job's end while training: read there only, 400 digits overflowed a float on
+    # rank 0 and aborted the job; the settings agreement now refuses it on every rank.
+    (tmp_path / "lib.py").write_text(LIBRARY_SCRIPT)
+    before = snapshot(tmp_path)
+    result = mpirun.mpirun(2, [sys.executable, "lib.py"], timeout=120,
+                           env=mpirun.test_env(SLURM_JOB_END_TIME="9" * 400), cwd=str(tmp_path))
+    assert result.returncode == 2, show(result)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("refused: SLURM_JOB_END_TIME=") for line in lines), show(result)
+    assert "Traceback" not in result.stderr and snapshot(tmp_path) == before, show(result)
+
+
 def test_a_lone_train_with_world_size_set_trains(tmp_path):
     result = run(mpirun.ringtrain(*TRAIN), timeout=120, env=mpirun.test_env(WORLD_SIZE="4"), cwd=str(tmp_path))
     assert result.returncode == 0 and "ringtrain: 1 rank(s)" in result.stdout, show(result)
