@@ -327,9 +327,11 @@ def slurm_request(np, hostfile, host_list, env):
 
 def _no_task_count(env, hosts):
     """What launch found in an allocation made without ``-n``, and the fix (pure)."""
-    found = ", ".join(f"{name}={env[name]}" for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-                                                         "SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE")
-                      if env.get(name))
+    names = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_TASKS_PER_NODE",
+             "SLURM_JOB_CPUS_PER_NODE")
+    # A host list of a thousand nodes is shown by its start: the line must stay one readable line.
+    found = ", ".join(f"{name}={env[name] if len(env[name]) <= 60 else env[name][:57] + '...'}"
+                      for name in names if env.get(name))
     slots = sum(host.slots for host in hosts)
     return (f"inside a Slurm allocation ({found}) without a task count: SLURM_NTASKS is unset, as in an "
             f"allocation made without -n; give -np N (the allocation has {slots} slot(s) on {len(hosts)} "
