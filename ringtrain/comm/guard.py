@@ -64,6 +64,11 @@ def parse_timeout(value, what="timeout"):
     return seconds
 
 
+# Longer than any job (so a longer bound means the same), and short enough for a select() or a thread's
+# wait to be given without overflowing.
+MAX_TIMEOUT = 1e9
+
+
 def timeout_from_env(env=None):
     """The bound :data:`ENV` sets, or None when it is unset or empty (pure, given ``env``).
 
@@ -74,11 +79,6 @@ def timeout_from_env(env=None):
     seconds = env_seconds(os.environ if env is None else env, ENV, None, positive=True, fix="unset it for no bound",
                           everywhere=True)
     return None if seconds is None else min(seconds, MAX_TIMEOUT)
-
-
-# Longer than any job (so a longer bound means the same), and short enough for a select() or a thread's
-# wait to be given without overflowing.
-MAX_TIMEOUT = 1e9
 
 
 class _Guard:

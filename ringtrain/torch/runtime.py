@@ -95,7 +95,10 @@ def _communicator_from(comm):
 def init(comm=None, process_sets=None):
     """Start the runtime over ``comm`` (default ``MPI.COMM_WORLD``); a second call does nothing.
 
-    Collective over ``comm`` (over the world when ``comm`` is a list of ranks).
+    Collective over ``comm`` (over the world when ``comm`` is a list of ranks). A setting in the
+    environment that is not what it must be (``RINGTRAIN_TIMEOUT``, Horovod's stall variables, the
+    elastic start: :func:`~ringtrain.torch.engine.settings_problem`) ends every rank with status 2
+    and one line from rank 0, before anything starts.
 
     Args:
         comm: an mpi4py communicator, or a list of ``MPI.COMM_WORLD`` ranks to run over.
