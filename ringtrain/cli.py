@@ -178,11 +178,7 @@ def _default_timeout():
 
 def _rank0():
     # Without importing MPI: argument errors may happen before MPI is needed.
-    import os
-
-    from .cluster.launch import rank_from_env
-
-    return rank_from_env(os.environ) in (None, 0)
+    return _rank_from_env() in (None, 0)
 
 
 def _who_reports():
@@ -209,15 +205,19 @@ _HYDRA_CONNECTION = {"PMI_FD", "PMI_PORT"}
 
 
 def _rank_from_env():
+    # Asked while an error is reported: a rank variable that holds no number (the error, perhaps) is no rank.
     from .cluster.launch import rank_from_env
 
-    return rank_from_env(os.environ)
+    try:
+        return rank_from_env(os.environ)
+    except UsageError:
+        return None
 
 
 def _rank_variable():
     from .cluster.launch import RANK_VARIABLES
 
-    return next(name for name in RANK_VARIABLES if os.environ.get(name, "").isdigit())
+    return next(name for name in RANK_VARIABLES if os.environ.get(name, "").strip())
 
 
 def main(argv=None):

@@ -34,6 +34,7 @@ import signal
 import tempfile
 import time
 
+from ..environment import env_int
 from ..errors import UsageError
 from ..io.rundir import write_json_atomic
 from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
@@ -43,7 +44,7 @@ from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, f
                    not_restarted_line, read_exit_records, report_failure, report_success, run_job, start_logs)
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
-           "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",
+           "under_elastic_launch", "elastic_start", "write_notice", "read_notice", "write_listening", "is_listening",
            "launch_elastic"]
 
 ENV_DIR = "RINGTRAIN_ELASTIC_DIR"
@@ -74,7 +75,19 @@ def elastic_env(directory, job, generation):
 
 def under_elastic_launch(env):
     """True when ``env`` is a job's under a launcher that restarts it, possibly at another size (pure)."""
-    return env.get(ENV_JOB, "").isdigit()
+    return elastic_start(env) is not None
+
+
+def elastic_start(env):
+    """``(job, generation)``: which start of an elastic launch this process is; None outside one (pure).
+
+    Raises:
+        EnvironmentValueError: either variable set to anything but a count, naming it.
+    """
+    fix = "ringtrain launch sets it for the job it starts; unset it"
+    job = env_int(env, ENV_JOB, None, fix=fix, everywhere=True)
+    generation = env_int(env, ENV_GENERATION, 0, fix=fix, everywhere=True)
+    return None if job is None else (job, generation)
 
 
 def write_notice(directory, generation, changes):

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 
+from ..environment import env_int
 from ..errors import UsageError
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
@@ -40,6 +41,8 @@ __all__ = [
     "rank_from_env",
     "local_rank_from_env",
     "size_from_env",
+    "torchrun_size",
+    "TORCHRUN_VARIABLES",
     "find_mpirun",
     "detect_flavour",
     "flavour_from_version",
@@ -89,11 +92,16 @@ def size_from_env(env):
 
 
 def _first_number(env, names):
-    """The first of ``names`` set in ``env`` to a non-negative integer, as an int, or None (pure)."""
+    """The number the first of ``names`` that is set holds, or None when none is (pure).
+
+    A launcher sets these; one that holds anything but a count (``abc``, ``²``, a 400-digit number)
+    was set by hand and is refused in one line naming it, not passed over for the next.
+    """
     for name in names:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
+        value = env_int(env, name, None, fix="MPI launchers set it; unset it, or start the program with mpirun",
+                        everywhere=True)
+        if value is not None:
+            return value
     return None
 
 
@@ -268,10 +276,32 @@ def _check_one_copy(env):
         raise UsageError(f"srun started {tasks} copies of ringtrain launch (SLURM_STEP_NUM_TASKS={tasks}), each of "
                          "which would start the whole job; run it once, in the batch script or under salloc, "
                          "where it takes the allocation's hosts")
-    size = env.get("WORLD_SIZE", "")
-    if size.isdigit() and int(size) > 1:
-        raise UsageError(f"torchrun started {size} copies of ringtrain launch (WORLD_SIZE={size}), each of which "
+    size, name = torchrun_size(env)
+    if size is not None:
+        raise UsageError(f"torchrun started {size} copies of ringtrain launch ({name}={size}), each of which "
                          "would start the whole job; run it once, without torchrun")
+
+
+# What torchrun (and torch.distributed.launch) set beside WORLD_SIZE. WORLD_SIZE alone is no sign of it:
+# a job script may export it for a program of its own, and a process with nothing else is simply one process.
+TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "RANK",
+                      "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_NUMBERS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def torchrun_size(env):
+    """``(processes, the variable that says so)`` when torchrun started several copies of this one (pure).
+
+    ``(None, None)`` otherwise: no torchrun variable besides ``WORLD_SIZE``, or a size of 1. The
+    numbers are read whether or not they decide, so garbage in any of them is refused, naming it.
+    """
+    fix = "torchrun sets it; unset it, or start the program with mpirun"
+    numbers = {name: env_int(env, name, None, lo=0, fix=fix, everywhere=True) for name in _TORCHRUN_NUMBERS}
+    if not any(env.get(name, "").strip() for name in TORCHRUN_VARIABLES):
+        return None, None
+    name = "WORLD_SIZE" if numbers["WORLD_SIZE"] is not None else "LOCAL_WORLD_SIZE"
+    size = numbers[name]
+    return (size, name) if size is not None and size > 1 else (None, None)
 
 
 def slurm_request(np, hostfile, host_list, env):
@@ -288,9 +318,24 @@ def slurm_request(np, hostfile, host_list, env):
             raise UsageError(f"cannot read the Slurm allocation's hosts: {exc}; give --hostfile or -H") from None
     if np is None:
         np = allocation_tasks(env) if hosts else None
+        if np is None and hosts:
+            raise UsageError(_no_task_count(env, hosts))
         if np is None:
             raise UsageError("-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)")
     return np, hosts
+
+
+def _no_task_count(env, hosts):
+    """What launch found in an allocation made without ``-n``, and the fix (pure)."""
+    names = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_TASKS_PER_NODE",
+             "SLURM_JOB_CPUS_PER_NODE")
+    # A host list of a thousand nodes is shown by its start: the line must stay one readable line.
+    found = ", ".join(f"{name}={env[name] if len(env[name]) <= 60 else env[name][:57] + '...'}"
+                      for name in names if env.get(name))
+    slots = sum(host.slots for host in hosts)
+    return (f"inside a Slurm allocation ({found}) without a task count: SLURM_NTASKS is unset, as in an "
+            f"allocation made without -n; give -np N (the allocation has {slots} slot(s) on {len(hosts)} "
+            "host(s)), or allocate with -n N (sbatch/salloc -n N)")
 
 
 def _check_restarts(restarts, delay):

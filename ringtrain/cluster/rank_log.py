@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from ..errors import UsageError
 from .jobs import FORWARDED, RESTART_MARK, exit_record_name
 from .launch import RANK_VARIABLES, rank_from_env
 
@@ -71,7 +72,11 @@ def main(argv=None):
         print(USAGE, file=sys.stderr)
         return 2
     restart, logdir, command = parsed
-    rank = rank_from_env(os.environ)
+    try:
+        rank = rank_from_env(os.environ)
+    except UsageError as exc:
+        print(f"ringtrain.cluster.rank_log: {exc}", file=sys.stderr)
+        return 2
     if rank is None:
         print("ringtrain.cluster.rank_log: no rank in the environment (" + ", ".join(RANK_VARIABLES)
               + "); run it under mpirun", file=sys.stderr)

@@ -11,17 +11,22 @@ Slurm's variables serve three things MPI cannot say:
 * the trainer stops before the job's time limit (:func:`time_left`).
 
 Everything but :func:`time_left`'s ``squeue`` call is pure and tested without
-Slurm. Imports only the standard library and :mod:`ringtrain.cluster.hostfiles`.
+Slurm. Every number is read with :mod:`ringtrain.environment`: a variable
+that is set must hold one (ASCII digits, bounded), or it is refused in one
+line naming it (:class:`~ringtrain.environment.EnvironmentValueError`).
+Imports only the standard library, :mod:`ringtrain.environment` and
+:mod:`ringtrain.cluster.hostfiles`.
 """
 
 import re
 import subprocess
 import time
 
+from ..environment import env_int
 from .hostfiles import Host
 
 __all__ = ["expand_hostlist", "expand_counts", "allocation_hosts", "allocation_tasks", "step_tasks",
-           "parse_time_left", "time_left", "SQUEUE_TIMEOUT"]
+           "parse_time_left", "time_left", "job_end_time", "job_id", "SQUEUE_TIMEOUT"]
 
 # squeue asks slurmctld; a controller that does not answer must not hold up a start.
 SQUEUE_TIMEOUT = 10.0
@@ -99,7 +104,7 @@ def allocation_hosts(env):
         ValueError: variables that do not fit together, naming them.
     """
     nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not env.get("SLURM_JOB_ID") or not nodes:
+    if job_id(env) is None or not nodes:
         return None
     source = "SLURM_TASKS_PER_NODE" if env.get("SLURM_TASKS_PER_NODE") else "SLURM_JOB_CPUS_PER_NODE"
     names, counts = expand_hostlist(nodes), expand_counts(env.get(source, ""))
@@ -111,11 +116,7 @@ def allocation_hosts(env):
 
 def allocation_tasks(env):
     """The allocation's task count (``SLURM_NTASKS``, or ``SLURM_NPROCS``), or None (pure)."""
-    for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
-        value = env.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
+    return _first_count(env, ("SLURM_NTASKS", "SLURM_NPROCS"))
 
 
 def step_tasks(env):
@@ -130,11 +131,29 @@ def step_tasks(env):
     """
     if not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
         return None
-    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
+    return _first_count(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"))
+
+
+def _first_count(env, names):
+    """The count the first of ``names`` that is set holds (at least 1), or None when none is (pure)."""
+    for name in names:
+        count = env_int(env, name, None, lo=1, fix="Slurm sets it to a task count; unset it outside a Slurm job",
+                        everywhere=True)
+        if count is not None:
+            return count
     return None
+
+
+def job_end_time(env):
+    """``SLURM_JOB_END_TIME`` (a UNIX time, Slurm 23.02 and later), or None when it is unset (pure)."""
+    return env_int(env, "SLURM_JOB_END_TIME", None, unit=" (a UNIX time)", everywhere=True,
+                   fix="Slurm sets it to the job's end; unset it outside a Slurm job")
+
+
+def job_id(env):
+    """``SLURM_JOB_ID``, or None outside a Slurm job (pure)."""
+    return env_int(env, "SLURM_JOB_ID", None, everywhere=True,
+                   fix="Slurm sets it to the job's number; unset it outside a Slurm job")
 
 
 def parse_time_left(text):
@@ -161,20 +180,21 @@ def time_left(env, now=None, run=subprocess.run):
 
     ``SLURM_JOB_END_TIME`` (Slurm 23.02 and later: the end as a UNIX time)
     when it is set; else ``squeue -j $SLURM_JOB_ID -o %L``, bounded by
-    :data:`SQUEUE_TIMEOUT`. Not collective: the trainer asks on rank 0 alone.
+    :data:`SQUEUE_TIMEOUT`. Not collective: the trainer asks on rank 0 alone (every
+    rank has read the numbers before, so a bad one is refused on all of them).
 
     Returns:
         ``(seconds, how)``: the time left and where it came from, or ``(None, why not)``.
     """
     now = time.time() if now is None else now
-    end = env.get("SLURM_JOB_END_TIME", "")
-    if end.isdigit():
-        return int(end) - now, "SLURM_JOB_END_TIME"
-    job = env.get("SLURM_JOB_ID", "")
-    if not job.isdigit():
+    end = job_end_time(env)
+    if end is not None:
+        return end - now, "SLURM_JOB_END_TIME"
+    job = job_id(env)
+    if job is None:
         return None, "not in a Slurm job"
     try:
-        out = run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT)
+        out = run(["squeue", "-h", "-j", str(job), "-o", "%L"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"squeue did not answer ({exc})"
     if out.returncode != 0:

@@ -19,6 +19,9 @@ import socket
 import sys
 
 from .. import backend
+from ..environment import env_int
+from ..errors import UsageError
+from .launch import torchrun_size
 from .slurm import step_tasks
 
 __all__ = ["TaskSpec", "node_layout", "threads_per_rank", "THREAD_VARIABLES", "launcher_mismatch",
@@ -62,11 +65,12 @@ def node_layout(hosts):
 
 
 def _count(env, *names):
-    """The first of ``names`` set to a number in ``env``, with its name, or ``(None, None)``."""
+    """The first of ``names`` set in ``env``, as a number, with its name, or ``(None, None)`` (pure)."""
     for name in names:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value), name
+        value = env_int(env, name, None, fix="MPI launchers set it; unset it, or start the program with mpirun",
+                        everywhere=True)
+        if value is not None:
+            return value, name
     return None, None
 
 
@@ -78,7 +82,11 @@ def launcher_mismatch(env, mpi_size):
     step first (its tasks also carry PMI variables with ``--mpi=pmi2``), then
     an ``mpirun`` (Open MPI's or Hydra's), then torchrun. A batch script or
     an ``salloc`` shell has ``SLURM_NTASKS`` but no step, and is one process:
-    not refused.
+    not refused; nor is a process with ``WORLD_SIZE`` and none of torchrun's
+    own variables (:data:`~ringtrain.cluster.launch.TORCHRUN_VARIABLES`).
+
+    Raises:
+        EnvironmentValueError: a launcher's variable that holds no count, naming it.
 
     Args:
         env: the process's environment.
@@ -99,8 +107,8 @@ def launcher_mismatch(env, mpi_size):
         return (f"{which} started {size} processes ({name}={size}) but MPI sees 1 rank in each, so they would "
                 f"train as {size} separate jobs: that mpirun belongs to another MPI than the one mpi4py was built "
                 "with; use the mpirun of mpi4py's MPI (ringtrain launch finds it)")
-    size, name = _count(env, "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    if size is not None and size > 1:
+    size, name = torchrun_size(env)
+    if size is not None:
         return (f"torchrun started {size} processes ({name}={size}) but MPI sees 1 rank in each, so they would "
                 f"train as {size} separate jobs; ringtrain runs under MPI: use mpirun -np {size} (or srun "
                 "--mpi=pmi2) instead of torchrun")
@@ -114,7 +122,10 @@ def refuse_launcher_mismatch(mpi_size, env=None, stream=None):
     before it writes anything. A library script gets the same one line and
     status as the command line (``SystemExit``, no traceback).
     """
-    problem = launcher_mismatch(os.environ if env is None else env, mpi_size)
+    try:
+        problem = launcher_mismatch(os.environ if env is None else env, mpi_size)
+    except UsageError as exc:  # a launcher's variable set by hand to no number: no launcher to blame
+        problem = str(exc)
     if problem is None:
         return
     stream = stream or sys.stderr

@@ -35,6 +35,7 @@ import threading
 import weakref
 from threading import get_ident
 
+from ..environment import env_seconds
 from ..errors import UsageError
 from ..watchdog import Watchdog
 from .state import state_of
@@ -63,16 +64,21 @@ def parse_timeout(value, what="timeout"):
     return seconds
 
 
+# Longer than any job (so a longer bound means the same), and short enough for a select() or a thread's
+# wait to be given without overflowing.
+MAX_TIMEOUT = 1e9
+
+
 def timeout_from_env(env=None):
-    """The bound :data:`ENV` sets, or None when it is unset or empty (pure, given ``env``)."""
-    text = (os.environ if env is None else env).get(ENV, "").strip()
-    if not text:
-        return None
-    try:
-        return parse_timeout(text)
-    except UsageError:
-        raise UsageError(f"{ENV}={text!r}: must be a number of seconds > 0; unset it for no bound",
-                         everywhere=True) from None
+    """The bound :data:`ENV` sets, or None when it is unset or empty (pure, given ``env``).
+
+    Raises:
+        EnvironmentValueError: (a UsageError, on every rank alike) for anything but a plain
+            number of seconds > 0: a bound that is misspelt must not quietly be no bound.
+    """
+    seconds = env_seconds(os.environ if env is None else env, ENV, None, positive=True, fix="unset it for no bound",
+                          everywhere=True)
+    return None if seconds is None else min(seconds, MAX_TIMEOUT)
 
 
 class _Guard:

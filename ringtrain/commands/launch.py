@@ -16,6 +16,7 @@ The elastic flags are horovodrun's: see :mod:`ringtrain.cluster.elastic`.
 import argparse
 
 from ..errors import UsageError
+from . import given
 from ..cluster.launch import launch
 
 HELP = "start a job under mpirun from a hostfile or -H list, with per-rank logs"
@@ -25,11 +26,11 @@ def add_arguments(parser):
     parser.add_argument("-np", "-n", dest="np", type=int, metavar="N",
                         help="number of ranks (inside a Slurm allocation: SLURM_NTASKS unless given)")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--hostfile", "-f", metavar="FILE",
+    where.add_argument("--hostfile", "-f", type=given, metavar="FILE",
                        help="hosts in Open MPI ('host slots=N') or MPICH ('host:N') syntax")
-    where.add_argument("-H", "--hosts", dest="host_list", metavar="HOST:N,...",
+    where.add_argument("-H", "--hosts", dest="host_list", type=given, metavar="HOST:N,...",
                        help="hosts inline, e.g. node1:2,node2:2 (neither: inside a Slurm allocation, its hosts)")
-    parser.add_argument("-o", "--output", dest="logdir", metavar="LOGDIR",
+    parser.add_argument("-o", "--output", dest="logdir", type=given, metavar="LOGDIR",
                         help="write each rank's output to LOGDIR/rank-R.log")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than the hosts' slots, or than 64 per core on this host")
@@ -42,7 +43,8 @@ def add_arguments(parser):
                         help="wait this long before each restart (default: 3)")
     add_elastic_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the MPI command and stop")
-    parser.add_argument("--mpirun", metavar="PATH", help="the mpirun to use (default: beside python, then PATH)")
+    parser.add_argument("--mpirun", type=given, metavar="PATH",
+                        help="the mpirun to use (default: beside python, then PATH)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
                         help="the program every rank runs")
 
@@ -56,7 +58,7 @@ def add_elastic_arguments(parser):
                        help="fewest ranks a restart may have (default: -np)")
     group.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
                        help="most ranks a restart may have (default: every slot the hosts give)")
-    group.add_argument("--host-discovery-script", dest="discovery_script", metavar="SCRIPT",
+    group.add_argument("--host-discovery-script", dest="discovery_script", type=given, metavar="SCRIPT",
                        help="a command that prints the hosts available now, one 'host:slots' a line; "
                             "run every second")
     group.add_argument("--slots-per-host", type=int, metavar="N",

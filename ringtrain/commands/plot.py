@@ -29,6 +29,7 @@ import statistics
 import sys
 
 from ..errors import UsageError
+from . import given
 from ..io.safeio import GiB, MiB, one_line, read_regular
 
 __all__ = ["read_metrics", "draw", "read_trace", "timeline_window", "draw_timeline", "describe_ranks"]
@@ -47,10 +48,10 @@ def _warn(line):
 
 
 def add_arguments(parser):
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
-    parser.add_argument("-o", "--out-dir", metavar="OUT_DIR",
+    parser.add_argument("run_dir", type=given, metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
+    parser.add_argument("-o", "--out-dir", type=given, metavar="OUT_DIR",
                         help=f"where {FILENAME} (and {TIMELINE_FILENAME}) go (default: RUN_DIR)")
-    parser.add_argument("--timeline", metavar="TRACE",
+    parser.add_argument("--timeline", type=given, metavar="TRACE",
                         help=f"also draw {TIMELINE_FILENAME} from this 'ringtrain train --timeline' file")
     parser.add_argument("--steps", type=int, default=3, metavar="N",
                         help="with --timeline: how many consecutive steps to draw (default 3)")

@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 
+from . import given
 from ..training.config import (FIELDS, TrainConfig, flag_name, load_config_file, parse_ints, resolve, type_name,
                                validate)
 
@@ -35,7 +36,8 @@ DIVERGED = 4
 
 
 def add_arguments(parser):
-    parser.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings (flags override it)")
+    parser.add_argument("--config", type=given, metavar="FILE",
+                        help="TOML or YAML file of settings (flags override it)")
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
         kind = type_name(field)
@@ -53,6 +55,7 @@ def add_arguments(parser):
             kwargs["type"] = int if kind == "int" else float
             kwargs["metavar"] = "N" if kind == "int" else "X"
         else:
+            kwargs["type"] = given
             kwargs["metavar"] = field.name.upper().replace("_", "-")
         parser.add_argument(flag_name(field.name), **kwargs)
 

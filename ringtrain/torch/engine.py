@@ -75,7 +75,9 @@ import sys
 import threading
 import time
 
-from ..comm.guard import HINT, get_timeout
+from ..cluster.elastic import elastic_start
+from ..comm.guard import HINT, get_timeout, timeout_from_env
+from ..environment import env_flag, env_seconds
 from ..errors import UsageError
 from ..failure import describe
 from .channel import PROBE_S, TICK_S, Channel, Entry
@@ -83,7 +85,7 @@ from .errors import HorovodInternalError
 from .handles import Pending
 from .negotiation import Names, op_key
 
-__all__ = ["Engine", "Entry", "stall_times", "GRACE_S", "HELPER_GRACE_S"]
+__all__ = ["Engine", "Entry", "stall_times", "settings_problem", "GRACE_S", "HELPER_GRACE_S"]
 
 NOTICE_TAG = 11
 GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print how its ops failed
@@ -94,11 +96,9 @@ HELPER_GRACE_S = 5.0
 
 def stall_times(env=None):
     """``(warn after, shut down after)`` in seconds from Horovod's variables; ``(None, 0)`` when disabled (pure)."""
-    env = os.environ if env is None else env
-    if env.get("HOROVOD_STALL_CHECK_DISABLE", "").strip() not in ("", "0"):
+    disabled, warn, shutdown = _stall_settings(os.environ if env is None else env)
+    if disabled:
         return None, 0.0
-    warn = _seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
-    shutdown = _seconds(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
     if shutdown and shutdown < warn:
         sys.stderr.write("[ringtrain.torch] WARNING HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
                          "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.\n")
@@ -106,18 +106,28 @@ def stall_times(env=None):
     return warn, shutdown
 
 
-def _seconds(env, name, default):
-    text = env.get(name, "").strip()
-    if not text:
-        return default
+def _stall_settings(env):
+    # Each variable is read even when another makes it moot: a misspelt value is refused, never ignored.
+    disabled = env_flag(env, "HOROVOD_STALL_CHECK_DISABLE", everywhere=True)
+    warn = env_seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, everywhere=True)
+    shutdown = env_seconds(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, everywhere=True)
+    return disabled, warn, shutdown
+
+
+def settings_problem(env=None):
+    """What is wrong with the settings in ``env`` (stall times, ringtrain's bound, elastic start), in one line; or None.
+
+    Pure given ``env``. :func:`ringtrain.torch.init` has every rank agree on the answer before it
+    builds an engine, so a bad value ends the job on every rank instead of switching a bound off.
+    """
+    env = os.environ if env is None else env
     try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise UsageError(f"{name}={text!r}: must be a number of seconds >= 0; unset it for the default",
-                         everywhere=True)
-    return value
+        _stall_settings(env)
+        timeout_from_env(env)
+        elastic_start(env)  # read by hvd.elastic.run, which may come long after
+    except UsageError as exc:
+        return str(exc)
+    return None
 
 
 class Engine:

@@ -64,6 +64,7 @@ import warnings
 
 import torch
 
+from ..environment import env_int
 from . import process_sets as scope
 from . import runtime
 from .buckets import GradientBuckets, match_problem, wire_dtype
@@ -320,13 +321,8 @@ def _named(optimizer, named_parameters):
 
 def _bucket_bytes():
     """Horovod's fusion threshold (``HOROVOD_FUSION_THRESHOLD``, bytes), if set, sizes the buckets."""
-    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if value is None:
-        return None
-    try:
-        return max(1, int(value))  # Horovod's 0 (no fusion): every gradient a bucket of its own
-    except ValueError:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes, got {value!r}") from None
+    value = env_int(os.environ, "HOROVOD_FUSION_THRESHOLD", None, unit=" of bytes", everywhere=True)
+    return None if value is None else max(1, value)  # Horovod's 0 (no fusion): every gradient a bucket of its own
 
 
 def _check_groups(groups):

@@ -19,7 +19,8 @@ import threading
 
 from .. import backend
 from ..cluster.topology import TaskSpec, node_layout
-from .engine import Engine
+from ..failure import verdict_of
+from .engine import Engine, settings_problem
 from .process_sets import ProcessSets, add_process_set
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -94,7 +95,10 @@ def _communicator_from(comm):
 def init(comm=None, process_sets=None):
     """Start the runtime over ``comm`` (default ``MPI.COMM_WORLD``); a second call does nothing.
 
-    Collective over ``comm`` (over the world when ``comm`` is a list of ranks).
+    Collective over ``comm`` (over the world when ``comm`` is a list of ranks). A setting in the
+    environment that is not what it must be (``RINGTRAIN_TIMEOUT``, Horovod's stall variables, the
+    elastic start: :func:`~ringtrain.torch.engine.settings_problem`) ends every rank with status 2
+    and one line from rank 0, before anything starts.
 
     Args:
         comm: an mpi4py communicator, or a list of ``MPI.COMM_WORLD`` ranks to run over.
@@ -106,6 +110,7 @@ def init(comm=None, process_sets=None):
             return
         communicator_, owned = _communicator_from(comm)
         runtime = Runtime(communicator_, owned)
+        _refuse_bad_settings(communicator_)
         if not runtime.threads_multiple and runtime.spec.size > 1:
             raise ValueError("ringtrain.torch needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
@@ -121,6 +126,19 @@ def init(comm=None, process_sets=None):
         _runtime = runtime
     for ps in process_sets or []:
         add_process_set(ps)
+
+
+def _refuse_bad_settings(comm):
+    """Exit with status 2 on every rank, one line from the first, when any rank's settings are bad (collective).
+
+    Agreed before anything starts: a rank that left alone would hold the others in their first op.
+    """
+    verdict = verdict_of(comm.allgather(settings_problem()))
+    if verdict is None:
+        return
+    if comm.Get_rank() == 0:
+        print(f"ringtrain: error: {verdict}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def shutdown():

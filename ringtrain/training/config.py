@@ -491,6 +491,8 @@ def _check_text(cfg, bad):
     """
     for name in FIELDS:
         value = getattr(cfg, name)
+        if value == "":  # from a config file; the flags refuse it themselves
+            bad(name, "an empty value; give one, or leave it out for the default")
         if isinstance(value, str):
             try:
                 value.encode("utf-8")

@@ -25,8 +25,9 @@ import time
 import numpy as np
 
 from .. import backend
-from ..cluster.slurm import time_left
+from ..cluster.slurm import job_end_time, job_id, time_left
 from ..cluster.topology import TaskSpec
+from ..comm.guard import timeout_from_env
 from ..errors import UsageError
 from ..failure import agree
 from ..io.safeio import os_reason
@@ -106,6 +107,7 @@ def train(cfg, comm=None, *, model=None, stream=None):
         problem = None
         try:
             validate(cfg, root=comm.Get_rank() == 0)
+            check_environment(os.environ)
         except UsageError as exc:
             problem = str(exc)
         with starting(dog, "settings agreement"):
@@ -289,6 +291,18 @@ def _stop_requests(run, step):
         requests[0] = clock
         return requests
     return run.signals.requests(clock)
+
+
+def check_environment(env):
+    """Read the numbers a run takes from the environment, so that a bad one is agreed on by every rank (pure).
+
+    Rank 0 alone reads the Slurm job's end while training, and the library's collectives read their
+    bound at their first call: read first on every rank, garbage in any is refused before anything
+    is written (:class:`~ringtrain.environment.EnvironmentValueError`).
+    """
+    timeout_from_env(env)
+    job_end_time(env)
+    job_id(env)
 
 
 def _deadline(run):

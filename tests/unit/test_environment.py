@@ -41,3 +41,11 @@ def test_ranges_are_enforced_at_both_ends():
 def test_a_flag_that_is_no_switch_is_refused():
     with pytest.raises(EnvironmentValueError, match="HOROVOD_STALL_CHECK_DISABLE='maybe'"):
         env_flag({"HOROVOD_STALL_CHECK_DISABLE": "maybe"}, "HOROVOD_STALL_CHECK_DISABLE")
+
+
+def test_seconds_name_their_unit_and_whole_bounds_read_as_whole_numbers():
+    with pytest.raises(EnvironmentValueError) as caught:
+        parse_seconds("20000", "HOROVOD_CYCLE_TIME", hi=10_000, unit="milliseconds")
+    assert str(caught.value) == ("HOROVOD_CYCLE_TIME='20000': must be a number of milliseconds >= 0 and <= 10000; "
+                                 "unset it for the default")
+    assert parse_seconds("0.5", "HOROVOD_CYCLE_TIME", hi=10_000, unit="milliseconds") == 0.5

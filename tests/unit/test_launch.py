@@ -277,7 +277,10 @@ def test_one_list_of_rank_variables_serves_the_cli_and_the_log_wrapper(monkeypat
     assert L.RANK_VARIABLES == ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
     assert ringtrain.cluster.rank_log.rank_from_env is L.rank_from_env
     assert L.rank_from_env({"SLURM_PROCID": "5"}) == 5
-    assert L.rank_from_env({"PMI_RANK": "x", "PMIX_RANK": "1"}) == 1
+    # The first variable set decides: one that holds no count is refused naming it, not passed over.
+    with pytest.raises(UsageError, match=r"^PMI_RANK='x': must be a whole number >= 0; MPI launchers set it"):
+        L.rank_from_env({"PMI_RANK": "x", "PMIX_RANK": "1"})
+    assert L.rank_from_env({"PMI_RANK": " ", "PMIX_RANK": "1"}) == 1
     for name in L.RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert ringtrain.cli._rank0()

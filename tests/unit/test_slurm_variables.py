@@ -27,6 +27,9 @@ STEP = dict(BATCH, SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_STEPID="0", SLURM_
 STEP_OF_ONE = dict(BATCH, SLURM_NPROCS="1", SLURM_NTASKS="1", SLURM_STEPID="0", SLURM_STEP_ID="0",
                    SLURM_STEP_NUM_TASKS="1")
 PMI2_STEP = dict(STEP, PMI_FD="13", PMI_JOBID="2.1", PMI_RANK="1", PMI_SIZE="2")
+# What torchrun --nproc_per_node 2 sets in its second worker (torch 2.13), beside WORLD_SIZE.
+TORCHRUN = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}
 
 
 # --- host lists and counts -------------------------------------------------------------
@@ -74,7 +77,8 @@ def test_only_a_task_of_a_step_has_a_step_task_count():
 
 # --- the launcher check ----------------------------------------------------------------
 
-@pytest.mark.parametrize("env", [{}, BATCH, STEP_OF_ONE, {"PMI_RANK": "1"}, {"WORLD_SIZE": "1"},
+@pytest.mark.parametrize("env", [{}, BATCH, STEP_OF_ONE, {"PMI_RANK": "1"}, {"WORLD_SIZE": "1"}, {"WORLD_SIZE": "4"},
+                                 dict(TORCHRUN, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"),
                                  {"OMPI_COMM_WORLD_SIZE": "1"}, {"SLURM_NTASKS": "4", "SLURM_JOB_ID": "1"}])
 def test_one_process_is_not_a_mismatch(env):
     assert launcher_mismatch(env, 1) is None
@@ -94,6 +98,9 @@ def test_mpi_that_joined_the_ranks_is_believed(env):
     ({"PMI_SIZE": "2", "PMI_RANK": "0"}, ["an MPICH (Hydra) mpirun started 2 processes (PMI_SIZE=2)"]),
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, ["torchrun started 4 processes (WORLD_SIZE=4)", "mpirun -np 4"]),
     ({"LOCAL_WORLD_SIZE": "2"}, ["torchrun started 2 processes (LOCAL_WORLD_SIZE=2)"]),
+    (TORCHRUN, ["torchrun started 2 processes (WORLD_SIZE=2)"]),
+    ({"WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}, ["torchrun started 4 processes (WORLD_SIZE=4)"]),
+    ({"WORLD_SIZE": "4", "MASTER_ADDR": "n1"}, ["torchrun started 4 processes (WORLD_SIZE=4)"]),
 ])
 def test_a_launcher_that_started_processes_mpi_did_not_join_is_named_with_the_fix(env, words):
     line = launcher_mismatch(env, 1)
@@ -119,7 +126,20 @@ def test_launch_refuses_several_copies_of_itself_but_runs_in_a_batch_script_or_a
     with pytest.raises(UsageError, match=r"^srun started 2 copies"):  # with --mpi=pmi2: srun is named, not mpirun
         check_request(2, ["p"], env=PMI2_STEP)
     with pytest.raises(UsageError, match=r"^torchrun started 2 copies of ringtrain launch \(WORLD_SIZE=2\)"):
-        check_request(2, ["p"], env={"WORLD_SIZE": "2"})
+        check_request(2, ["p"], env=TORCHRUN)
+    check_request(2, ["p"], env={"WORLD_SIZE": "2"})  # WORLD_SIZE alone is no torchrun: one launcher, as asked
+
+
+def test_inside_an_allocation_made_without_n_launch_names_what_it_found_and_the_fix():
+    no_tasks = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_CPUS_PER_NODE": "4(x2)"}
+    with pytest.raises(UsageError) as refused:
+        slurm_request(None, None, None, no_tasks)
+    line = str(refused.value)
+    assert "outside a Slurm allocation" not in line and "\n" not in line
+    for words in ("SLURM_JOB_ID=3", "SLURM_JOB_NODELIST=n[1-2]", "SLURM_JOB_CPUS_PER_NODE=4(x2)",
+                  "SLURM_NTASKS is unset", "give -np N", "8 slot(s) on 2 host(s)", "-n N"):
+        assert words in line, line
+    assert slurm_request(3, None, None, no_tasks) == (3, (Host("n1", 4), Host("n2", 4)))
 
 
 def test_launch_takes_the_allocations_hosts_and_rank_count_unless_told():

@@ -22,8 +22,7 @@ import warnings
 import numpy as np
 import torch
 
-from ...cluster.elastic import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, read_notice, under_elastic_launch,
-                                write_listening)
+from ...cluster.elastic import COMMITS, ENV_DIR, elastic_start, read_notice, write_listening
 from ...io.checkpoint import CheckpointError, latest_valid_checkpoint, save_checkpoint
 
 __all__ = ["CommitStore", "encode", "decode", "FORMAT"]
@@ -53,9 +52,7 @@ class CommitStore:
         env = os.environ if env is None else env
         if not env.get(ENV_DIR):
             return None
-        launched = under_elastic_launch(env)
-        job, generation = (int(env.get(name, "0")) if launched and env.get(name, "").isdigit() else 0
-                           for name in (ENV_JOB, ENV_GENERATION))
+        job, generation = elastic_start(env) or (0, 0)
         return cls(env[ENV_DIR], job, generation)
 
     def write(self, sequence, snapshot, size, finished=False):
