@@ -13,7 +13,10 @@ The launcher's side of the contract with the job (the job's side is
 
 * ``RINGTRAIN_ELASTIC_DIR``: a directory on the launcher's file system (it
   must be shared with the host of rank 0) where rank 0 writes its commits,
-  under ``commits/``, and the launcher its host notices (``hosts.json``);
+  under ``commits/``, and the launcher its host notices (``hosts.json``).
+  It must be the user's own, writable by nobody else; the launcher makes
+  its key (``commit.key``), and rank 0 restores only commits signed with
+  it (:mod:`ringtrain.cluster.commits` has the trust model);
 * ``RINGTRAIN_ELASTIC_JOB``: which start of the job this is (0 first);
 * ``RINGTRAIN_ELASTIC_GENERATION``: the host notices' generation the job
   started at. A higher one in ``hosts.json`` asks the job to stop at its next
@@ -27,7 +30,6 @@ runs them. Imports only the standard library and its neighbours.
 """
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -35,7 +37,9 @@ import tempfile
 import time
 
 from ..errors import UsageError
-from ..io.rundir import write_json_atomic
+from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, is_listening,
+                      make_key, make_private_directory, read_notice, under_elastic_launch, write_listening,
+                      write_notice)
 from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
                         host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
@@ -46,15 +50,9 @@ __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", 
            "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",
            "launch_elastic"]
 
-ENV_DIR = "RINGTRAIN_ELASTIC_DIR"
-ENV_JOB = "RINGTRAIN_ELASTIC_JOB"
-ENV_GENERATION = "RINGTRAIN_ELASTIC_GENERATION"
 # sysexits' EX_TEMPFAIL ("try again later"): the job stopped so that it can
 # be started again on other hosts; nothing failed.
 RESTART_STATUS = 75
-COMMITS = "commits"
-_NOTICE = "hosts.json"
-_LISTENING = "listening.json"
 # How long the launcher waits for --min-np slots before it gives up. The
 # job's processes are gone while it waits and its commit is on disk, so
 # giving up loses nothing: launching again resumes.
@@ -63,46 +61,6 @@ ELASTIC_TIMEOUT = 30.0
 POLL_SECONDS = 1.0
 # The host of a launch given no hosts at all.
 LOCAL = "localhost"
-
-
-# --- the contract with the job ------------------------------------------------
-
-def elastic_env(directory, job, generation):
-    """The variables that tell a job where its commits go and which start this is (pure)."""
-    return {ENV_DIR: directory, ENV_JOB: str(job), ENV_GENERATION: str(generation)}
-
-
-def under_elastic_launch(env):
-    """True when ``env`` is a job's under a launcher that restarts it, possibly at another size (pure)."""
-    return env.get(ENV_JOB, "").isdigit()
-
-
-def write_notice(directory, generation, changes):
-    """Tell the job the hosts changed: its next commit stops it for a restart."""
-    write_json_atomic(os.path.join(directory, _NOTICE), {"generation": generation, "changes": sorted(changes)})
-
-
-def read_notice(directory):
-    """``(generation, changes)`` of the latest host notice, or None when there is none (or it is unreadable)."""
-    return _read_json(os.path.join(directory, _NOTICE), lambda d: (int(d["generation"]), list(d["changes"])))
-
-
-def write_listening(directory, job):
-    """Say that start ``job`` of the job watches the host notices (rank 0 of ``hvd.elastic.run`` calls it)."""
-    write_json_atomic(os.path.join(directory, _LISTENING), {"job": int(job)})
-
-
-def is_listening(directory, job):
-    """True when start ``job`` of the job said it watches the host notices."""
-    return _read_json(os.path.join(directory, _LISTENING), lambda d: int(d["job"]) == job) is True
-
-
-def _read_json(path, take):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return take(json.load(fh))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 # --- where commits live ---------------------------------------------------------
@@ -117,6 +75,18 @@ def commit_directory(logdir, env):
     if logdir is not None:
         return os.path.join(logdir, "elastic"), True
     return tempfile.mkdtemp(prefix="ringtrain-elastic-"), True
+
+
+def _prepare_directory(directory, given):
+    """Make the commit directory, its ``commits/`` and its key, all the user's own (0700; no link under it).
+
+    ``given``: the user named it (``RINGTRAIN_ELASTIC_DIR``), so it may be
+    their own link; the one under ``-o`` is the launcher's, and may not.
+    """
+    make_private_directory(directory, ENV_DIR if given else "the commit directory", link_ok=given)
+    make_private_directory(os.path.join(directory, COMMITS), ENV_DIR if given else "the commit directory",
+                           link_ok=False)
+    make_key(directory)
 
 
 def _has_commit(directory):
@@ -337,6 +307,8 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         check, dry_run: as for :func:`ringtrain.cluster.launch.launch`.
     """
     env = dict(os.environ if env is None else env)
+    if env.get(ENV_DIR) and os.path.lexists(env[ENV_DIR]):  # a new one is made private at the start
+        check_private_directory(os.path.abspath(env[ENV_DIR]), ENV_DIR)
     numbers = check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, reset_limit, cooldown)
     fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
     if discovery_script is not None:
@@ -355,11 +327,7 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         make_logdir(plan.logdir)
     launcher.directory, owned = commit_directory(plan.logdir, env)
     launcher.records = plan.logdir or launcher.directory
-    try:
-        os.makedirs(launcher.directory, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create the commit directory {launcher.directory} ({exc.strerror}); "
-                         f"give another with {ENV_DIR}=DIR") from None
+    _prepare_directory(launcher.directory, given=not owned)
     if _has_commit(launcher.directory):
         launcher.say(f"{launcher.directory} holds a commit of an earlier launch: the job resumes from it")
     stdout.flush()

@@ -17,6 +17,7 @@ import time
 
 from ..errors import UsageError
 from . import leftovers, reaper
+from .commits import check_private_directory
 from .signals import swapped_handlers
 
 __all__ = ["NO_RESTART_STATUSES", "SIGUSR1_STOP", "exit_status", "should_restart", "restart_line", "gave_up_line",
@@ -484,8 +485,14 @@ def free_bytes(path):
 
 
 def make_logdir(logdir):
-    """Create ``-o``'s directory, or say in one line why it cannot be."""
+    """Create ``-o``'s directory (mode 0700), or say in one line why it cannot be, or is not the user's own.
+
+    Another user's directory, or one others may write, could hold logs and
+    exit records planted to blame the wrong rank, or an elastic commit that
+    runs their code: it is refused (:func:`ringtrain.cluster.commits.check_private_directory`).
+    """
     try:
-        os.makedirs(logdir, exist_ok=True)
+        os.makedirs(logdir, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"-o {logdir}: cannot create it ({exc.strerror}); choose another log directory") from None
+    check_private_directory(logdir, "-o")  # after too: another user may have made it first
