@@ -281,7 +281,7 @@ class CommitStore:
 
     def prepare(self):
         """Check the directory is the user's, make ``commits/`` (0700) and the key; returns the key."""
-        check_private_directory(self.directory, ENV_DIR)
+        make_private_directory(self.directory, ENV_DIR)
         make_private_directory(self.commits, ENV_DIR, link_ok=False)
         return make_key(self.directory)
 
@@ -307,6 +307,8 @@ class CommitStore:
         is never unpickled.
         """
         warn = warn or _warn
+        if not os.path.lexists(self.directory):
+            return None
         check_private_directory(self.directory, ENV_DIR)
         if not os.path.lexists(self.commits):
             return None

@@ -40,13 +40,15 @@ from ..errors import UsageError
 from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, is_listening,
                       make_key, make_private_directory, read_notice, under_elastic_launch, write_listening,
                       write_notice)
-from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
-                        host_of_rank, run_discovery)
+from .discovery import (DiscoveryError, DiscoveryPoller, HostBook, assign, check_elastic_numbers, discovery_command,
+                        format_hosts, host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
-from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, format_command, make_logdir,
-                   not_restarted_line, read_exit_records, report_failure, report_success, run_job, start_logs)
+from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, format_command, last_error_line,
+                   make_logdir, not_restarted_line, read_exit_records, read_rank_logs, report_failure, report_success,
+                   run_job, start_logs)
 
-__all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
+__all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "SAME_ERROR_LIMIT",
+           "elastic_env",
            "under_elastic_launch", "write_notice", "read_notice", "write_listening", "is_listening",
            "launch_elastic"]
 
@@ -57,6 +59,11 @@ RESTART_STATUS = 75
 # job's processes are gone while it waits and its commit is on disk, so
 # giving up loses nothing: launching again resumes.
 ELASTIC_TIMEOUT = 30.0
+# How many times in a row the job may fail the same way (the same exit
+# status, failing rank and last error line) before the launch gives up:
+# a restart cannot fix a deterministic error in the program, and with a
+# cool-down and no --reset-limit nothing else would end the launch.
+SAME_ERROR_LIMIT = 5
 # How often the discovery script runs (horovodrun's period).
 POLL_SECONDS = 1.0
 # The host of a launch given no hosts at all.
@@ -109,37 +116,54 @@ def _clear_records(directory):
 class _Launcher:
     """One elastic launch: its hosts, its starts and what it prints."""
 
-    def __init__(self, plan, numbers, discovery, fixed, slots_per_host, timeout, reset_limit, cooldown, delay,
-                 directory, stderr):
+    def __init__(self, plan, numbers, discovery, fixed, slots_per_host, limits, cooldown, delay, directory, stderr):
         self.plan, self.delay, self.stderr = plan, delay, stderr
         self.np, (self.min_np, self.max_np) = plan.np, numbers
         self.discovery, self.fixed, self.slots_per_host = discovery, fixed, slots_per_host
-        self.timeout, self.reset_limit = timeout, reset_limit
+        self.timeout, self.reset_limit, self.same_error_limit = limits
+        self.last_failure, self.same_failures = None, 0
         self.directory = directory
         self.records = plan.logdir
         self.book = HostBook(cooldown=cooldown)
         self._warned = None
         self.told_kept = False
+        self.poller = None
 
     def say(self, line):
         print(f"ringtrain launch: {line}", file=self.stderr, flush=True)
 
     def discover(self, first=False):
-        """Update the host book from discovery; the first failure is the user's to fix, later ones are warned of."""
+        """Update the host book from discovery; the first failure is the user's to fix, later ones are warned of.
+
+        The first run is waited for; later answers come from the poller's
+        thread (:meth:`poll`) and are taken without waiting, so a script
+        that hangs never holds up the loop that watches the job and the signals.
+        """
         if self.discovery is None:
             fixed = self.fixed or (Host(LOCAL, self.max_np or self.np),)
             return self.book.update({h.name: h.slots for h in fixed})
-        try:
-            found = run_discovery(self.discovery, self.slots_per_host or 1)
-        except DiscoveryError as exc:
-            if first:
+        if first:
+            try:
+                return self.book.update(run_discovery(self.discovery, self.slots_per_host or 1))
+            except DiscoveryError as exc:
                 raise UsageError(f"{exc}; fix the script, which must print 'host:slots' lines") from None
-            if str(exc) != self._warned:
-                self._warned = str(exc)
-                self.say(f"warning: {exc}; keeping the hosts it gave before")
+        found = self.poller.take() if self.poller is not None else None
+        if isinstance(found, DiscoveryError):
+            if str(found) != self._warned:
+                self._warned = str(found)
+                self.say(f"warning: {found}; keeping the hosts it gave before")
+            return set()
+        if found is None:
             return set()
         self._warned = None
         return self.book.update(found)
+
+    def poll(self):
+        """A context in which the discovery script runs about every ``POLL_SECONDS`` on its own thread."""
+        if self.discovery is None:
+            return contextlib.nullcontext()
+        self.poller = DiscoveryPoller(self.discovery, self.slots_per_host or 1, POLL_SECONDS)
+        return self.poller
 
     def wait_for_slots(self, need, forwarder):
         """The hosts to start on once they give ``need`` slots; None when stopped or out of time."""
@@ -155,7 +179,7 @@ class _Launcher:
                 self.say(f"waiting up to {self.timeout:g}s (--elastic-timeout) for {need} slot(s); "
                          f"the hosts give {self.describe_hosts()}")
                 told = True
-            _sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())), forwarder)
+            _sleep(min(0.1, max(0.0, deadline - time.monotonic())), forwarder)
             self.discover()
 
     def describe_hosts(self):
@@ -174,6 +198,25 @@ class _Launcher:
             if name is not None and self.book.record_failure(name):
                 self.say(f"host {name} is left out after failing {self.book.exclude_after} times")
 
+    def failed_the_same_way(self, status, failed, size):
+        """Count a failure; True (after saying so) when it is the ``--same-error-limit``-th alike in a row.
+
+        Alike: the same exit status, failing rank and last error line of
+        its log (with ``-o``; without, status and rank only).
+        """
+        line = None
+        if self.plan.logdir is not None and failed is not None:
+            line = last_error_line(read_rank_logs(self.plan.logdir, size).get(failed, ""))
+        signature = (status, failed, line)
+        self.same_failures = self.same_failures + 1 if signature == self.last_failure else 1
+        self.last_failure = signature
+        if not self.same_error_limit or self.same_failures < self.same_error_limit:
+            return False
+        what = f"status {status}" + ("" if failed is None else f", rank {failed}") + (f": {line}" if line else "")
+        self.say(f"gave up: the job failed the same way {self.same_failures} times in a row ({what}); a restart "
+                 f"cannot fix that: fix the program, or give a larger --same-error-limit{_kept(self)}")
+        return True
+
     def args(self, assignment, job):
         """The MPI command line and extra environment of start ``job`` on ``assignment``."""
         size = sum(h.slots for h in assignment)
@@ -188,14 +231,15 @@ class _Watch:
         self.launcher, self.target, self.forwarder = launcher, assignment, forwarder
         self.job, self.generation = job, generation
         self.asked = False
-        self.next_poll = time.monotonic() + POLL_SECONDS
 
     def tick(self):
-        if time.monotonic() < self.next_poll:
-            return
-        self.next_poll = time.monotonic() + POLL_SECONDS
         launcher = self.launcher
-        changes = launcher.discover()
+        changes = launcher.discover()  # never waits: the answers come from the poller's thread
+        if self.asked:
+            # Asked once: the restart already under way starts on the hosts there are then, so a change
+            # (or a change back) since is folded into it. A second SIGUSR1 would make `ringtrain train`
+            # abort without its checkpoint.
+            return
         wanted = assign(launcher.book.available(), launcher.max_np)
         if wanted == self.target or sum(h.slots for h in wanted) < launcher.min_np:
             return
@@ -218,7 +262,7 @@ def _sleep(seconds, forwarder):
 def _run(launcher, np, env):
     """The starts, until one succeeds, the user stops it, or too few hosts are left."""
     job, generation, resets, need, status = 0, 0, 0, np, 1
-    with Forwarder() as forwarder:
+    with Forwarder() as forwarder, launcher.poll():
         while True:
             hosts = launcher.wait_for_slots(need, forwarder)
             if hosts is None:
@@ -261,6 +305,8 @@ def _run(launcher, np, env):
                 launcher.blame(assignment, failed)
                 where = "" if failed is None else f" (rank {failed} on {host_of_rank(assignment, failed)} failed)"
                 launcher.say(f"the job exited with status {status}{where}")
+                if launcher.failed_the_same_way(status, failed, size):
+                    return status
             resets += 1
             if launcher.reset_limit is not None and resets > launcher.reset_limit:
                 launcher.say(f"gave up: the job needed restart {resets}, more than --reset-limit "
@@ -285,7 +331,8 @@ def _format(args, extra):
 
 
 def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, slots_per_host, elastic_timeout,
-                   reset_limit, cooldown, restart_delay, check, dry_run, stdout, stderr, env=None):
+                   reset_limit, cooldown, restart_delay, check, dry_run, stdout, stderr, env=None,
+                   same_error_limit=SAME_ERROR_LIMIT):
     """Run ``plan``'s command elastically; returns the last start's exit status.
 
     Everything is checked before anything starts: the numbers, the hosts,
@@ -304,6 +351,7 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         reset_limit: restarts allowed (None: no limit).
         cooldown: ``(lower, upper)`` seconds a failing host stays out, or None (for good).
         restart_delay: seconds before a restart after a failure.
+        same_error_limit: give up when the job fails the same way this many times in a row (0: never).
         check, dry_run: as for :func:`ringtrain.cluster.launch.launch`.
     """
     env = dict(os.environ if env is None else env)
@@ -313,8 +361,10 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
     fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
     if discovery_script is not None:
         discovery_script = discovery_command(discovery_script)
-    launcher = _Launcher(plan, numbers, discovery_script, fixed, slots_per_host, elastic_timeout, reset_limit,
-                         cooldown, restart_delay, None, stderr)
+    if same_error_limit < 0:
+        raise UsageError(f"--same-error-limit must be at least 0 (0: no limit), got {same_error_limit}")
+    launcher = _Launcher(plan, numbers, discovery_script, fixed, slots_per_host,
+                         (elastic_timeout, reset_limit, same_error_limit), cooldown, restart_delay, None, stderr)
     launcher.discover(first=True)
     if check:
         _check_reachable(launcher.book.available(), stderr)
