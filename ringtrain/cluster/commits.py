@@ -282,6 +282,8 @@ class CommitStore:
     def prepare(self):
         """Check the directory is the user's, make ``commits/`` (0700) and the key; returns the key."""
         make_private_directory(self.directory, ENV_DIR)
+        if _not_a_directory(self.commits):
+            return make_key(self.directory)  # the write fails, naming the file it could not write
         make_private_directory(self.commits, ENV_DIR, link_ok=False)
         return make_key(self.directory)
 
@@ -310,8 +312,8 @@ class CommitStore:
         if not os.path.lexists(self.directory):
             return None
         check_private_directory(self.directory, ENV_DIR)
-        if not os.path.lexists(self.commits):
-            return None
+        if not os.path.lexists(self.commits) or _not_a_directory(self.commits):
+            return None  # nothing was ever committed here
         check_private_directory(self.commits, ENV_DIR, link_ok=False)
         key = read_key(self.directory)
         for path in list_checkpoints(self.commits):
@@ -358,6 +360,15 @@ class CommitStore:
         """Tell the launcher that this start watches its host notices (so it need not send SIGUSR1)."""
         make_private_directory(self.directory, ENV_DIR)
         write_listening(self.directory, self.job)
+
+
+def _not_a_directory(path):
+    """True for a file that is neither a directory nor a link (a link is refused, never passed over)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
 
 
 def _warn(line):
