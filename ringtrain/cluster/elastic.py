@@ -37,6 +37,7 @@ import tempfile
 import time
 
 from ..errors import UsageError
+from ..io.safeio import printable
 from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, is_listening,
                       make_key, make_private_directory, read_notice, under_elastic_launch, write_listening,
                       write_notice)
@@ -212,7 +213,8 @@ class _Launcher:
         self.last_failure = signature
         if not self.same_error_limit or self.same_failures < self.same_error_limit:
             return False
-        what = f"status {status}" + ("" if failed is None else f", rank {failed}") + (f": {line}" if line else "")
+        what = f"status {status}" + ("" if failed is None else f", rank {failed}") + \
+            (f": {printable(line)}" if line else "")  # the program's text: escaped, never sent to the terminal
         self.say(f"gave up: the job failed the same way {self.same_failures} times in a row ({what}); a restart "
                  f"cannot fix that: fix the program, or give a larger --same-error-limit{_kept(self)}")
         return True
