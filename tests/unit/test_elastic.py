@@ -6,6 +6,8 @@ The launcher's parts need no torch; the sampler's and the commits' skip, saying 
 import os
 import pickle
 import random
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -453,3 +455,13 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
         C.CommitStore(str(tmp_path)).write(1, {}, size=1)
     os.chmod(tmp_path, 0o700)
     assert C.directory_problem(str(tmp_path)) is None
+
+
+def test_the_commit_store_works_without_torch(tmp_path):
+    # Every framework's hvd.elastic uses it: torch blocked, a commit still round-trips (signed and verified).
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from ringtrain.cluster.commits import CommitStore\n"
+            f"store = CommitStore({str(tmp_path)!r}); store.write(1, {{'a': [1, 2]}}, size=1)\n"
+            "print(store.latest()[:2])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "(1, {'a': [1, 2]})", done.stderr
