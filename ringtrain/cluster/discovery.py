@@ -124,10 +124,11 @@ def run_discovery(script, default_slots=1, timeout=DISCOVERY_TIMEOUT, limit=MAX_
         raise DiscoveryError(f"host discovery script {script!r} could not run: {exc.strerror}") from None
     if started is not None:
         started(proc)
+    why = "interrupted"
     try:
         out, err, why = _collect(proc, time.monotonic() + timeout, limit)
     finally:
-        if proc.poll() is None:
+        if why is not None or proc.poll() is None:  # its children too: one may hold the output open
             kill_group(proc)
         proc.stdout.close()
         proc.stderr.close()
