@@ -8,17 +8,23 @@ appeared (so rank 0 stays on the oldest host, where the last commit was
 written), how often each one's ranks failed first, and which are excluded
 for now (Horovod's blacklist, with its optional cool-down).
 
-Pure but for :func:`run_discovery` (which runs the script); imports only
-the standard library and its neighbours. Nothing here talks to MPI.
+Pure but for :func:`run_discovery` (which runs the script, bounded in time
+and in what it reads) and :class:`DiscoveryPoller` (which runs it on a
+thread of its own); imports only the standard library and its neighbours.
+Nothing here talks to MPI.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import random
 import re
+import selectors
 import shutil
+import signal
 import subprocess
+import threading
 import time
 
 from ..errors import UsageError
@@ -26,15 +32,18 @@ from .hostfiles import MAX_NP, Host, ipv6_problem
 
 __all__ = ["DiscoveryError", "parse_discovery", "run_discovery", "discovery_command", "HostBook", "assign",
            "host_of_rank", "format_hosts", "cooldown_seconds", "check_elastic_numbers", "EXCLUDE_AFTER",
-           "DISCOVERY_TIMEOUT", "COOLDOWN_LIMITS"]
+           "DISCOVERY_TIMEOUT", "COOLDOWN_LIMITS", "MAX_OUTPUT", "DiscoveryPoller", "kill_group"]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 # A host whose ranks failed first this many times is left out (Horovod
 # leaves one out at its first failure; a single flaky failure, an OOM kill
 # of one worker, should not cost a one-host job its only host).
 EXCLUDE_AFTER = 3
-# A discovery script that has not answered in this long is treated as failing.
+# A discovery script that has not answered in this long is killed and counts as failing.
 DISCOVERY_TIMEOUT = 30.0
+# A host list is a line per host: more output than this is no host list, and
+# is refused as it arrives rather than read into memory whole.
+MAX_OUTPUT = 1 << 20
 # Horovod's bounds on --blacklist-cooldown-range, in seconds.
 COOLDOWN_LIMITS = (1, 3600)
 
@@ -63,7 +72,7 @@ def parse_discovery(text, default_slots=1, source="host discovery script"):
         if v6 is not None:
             raise DiscoveryError(f"{where}: {v6}")
         name, _, count = line.partition(":")
-        if not _NAME.fullmatch(name) or (count and not count.isdigit()):
+        if not _NAME.fullmatch(name) or (count and not (count.isascii() and count.isdigit() and len(count) <= 9)):
             raise DiscoveryError(f"{where}: expected 'host:slots' or 'host', got {line!r}")
         slots = int(count) if count else default_slots
         if not 1 <= slots <= MAX_NP:
@@ -94,25 +103,142 @@ def discovery_command(script, path=None):
     return f"./{name}"
 
 
-def run_discovery(script, default_slots=1, timeout=DISCOVERY_TIMEOUT):
+def run_discovery(script, default_slots=1, timeout=DISCOVERY_TIMEOUT, limit=MAX_OUTPUT, started=None):
     """Run ``script`` through the shell (as horovodrun does) and parse what it prints.
+
+    The script runs in a process group of its own: after ``timeout``
+    seconds, or once it printed more than ``limit`` bytes, the group is
+    killed (its children too) and the answer is an error, never a hang or a
+    MemoryError. ``started``, if given, is called with the process (so a
+    caller on another thread can kill it).
 
     Raises:
         DiscoveryError: it could not run, exited non-zero, took longer than
-            ``timeout`` seconds, or printed something that is not a host list.
+            ``timeout`` seconds, printed more than ``limit`` bytes, or printed
+            something that is not a host list.
     """
     try:
-        done = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, errors="replace")
-    except subprocess.TimeoutExpired:
-        raise DiscoveryError(f"host discovery script {script!r} did not finish within {timeout:g}s") from None
+        proc = subprocess.Popen(script, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         raise DiscoveryError(f"host discovery script {script!r} could not run: {exc.strerror}") from None
-    if done.returncode != 0:
-        said = (done.stderr.strip().splitlines() or [""])[-1]
+    if started is not None:
+        started(proc)
+    why = "interrupted"
+    try:
+        out, err, why = _collect(proc, time.monotonic() + timeout, limit)
+    finally:
+        if why is not None or proc.poll() is None:  # its children too: one may hold the output open
+            kill_group(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+    if why == "timeout":
+        raise DiscoveryError(f"host discovery script {script!r} did not finish within {timeout:g}s; "
+                             "it was killed")
+    if why == "too much":
+        raise DiscoveryError(f"host discovery script {script!r} printed more than {limit:,} bytes; a host "
+                             "list is one 'host:slots' line per host")
+    if proc.returncode != 0:
+        said = (err.decode(errors="replace").strip().splitlines() or [""])[-1][:200]
         why = f": {said}" if said else ""
-        raise DiscoveryError(f"host discovery script {script!r} exited with status {done.returncode}{why}")
-    return parse_discovery(done.stdout, default_slots, f"host discovery script {script!r}")
+        raise DiscoveryError(f"host discovery script {script!r} exited with status {proc.returncode}{why}")
+    return parse_discovery(out.decode(errors="replace"), default_slots, f"host discovery script {script!r}")
+
+
+def _collect(proc, deadline, limit):
+    """``(stdout, end of stderr, None | "timeout" | "too much")``: read both pipes until the script ends."""
+    out, err = bytearray(), bytearray()
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ, out)
+        selector.register(proc.stderr, selectors.EVENT_READ, err)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return out, err, "timeout"
+            for key, _ in selector.select(min(left, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                key.data.extend(chunk)
+                if key.data is out and len(out) > limit:
+                    return out, err, "too much"
+                if key.data is err:
+                    del err[:-4096]  # only its last line is shown
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # it closed its output but goes on
+        return out, err, "timeout"
+    return out, err, None
+
+
+def kill_group(proc):
+    """SIGKILL ``proc``'s process group (a discovery script and whatever it started) and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+class DiscoveryPoller:
+    """Runs the discovery script again and again on a thread of its own, so nothing waits for it.
+
+    The launcher's loop watches the job and its signals; a script that
+    hangs (for up to its ``timeout``) must not hold that up. :meth:`take`
+    returns the newest answer without waiting.
+
+    Args:
+        script: the shell command.
+        default_slots: slots of a host printed without ``:slots``.
+        period: seconds between the end of one run and the start of the next.
+        timeout: seconds one run may take before it is killed and counts as failed.
+    """
+
+    def __init__(self, script, default_slots=1, period=1.0, timeout=DISCOVERY_TIMEOUT):
+        self.script, self.default_slots, self.period, self.timeout = script, default_slots, period, timeout
+        self._lock = threading.Lock()
+        self._answer, self._proc = None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ringtrain-discovery", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                answer = run_discovery(self.script, self.default_slots, self.timeout, started=self._started)
+            except DiscoveryError as exc:
+                answer = exc
+            with self._lock:
+                self._answer, self._proc = answer, None
+            self._stop.wait(self.period)
+
+    def _started(self, proc):
+        with self._lock:
+            self._proc = proc
+        if self._stop.is_set():
+            kill_group(proc)
+
+    def take(self):
+        """The newest answer not taken yet: ``{host: slots}``, a :class:`DiscoveryError`, or None (none new)."""
+        with self._lock:
+            answer, self._answer = self._answer, None
+        return answer
+
+    def close(self):
+        """Stop polling and kill a run under way."""
+        self._stop.set()
+        with self._lock:
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self._thread.join(timeout=10)
 
 
 def cooldown_seconds(exclusions, limits, draw):

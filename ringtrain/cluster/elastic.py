@@ -13,7 +13,10 @@ The launcher's side of the contract with the job (the job's side is
 
 * ``RINGTRAIN_ELASTIC_DIR``: a directory on the launcher's file system (it
   must be shared with the host of rank 0) where rank 0 writes its commits,
-  under ``commits/``, and the launcher its host notices (``hosts.json``);
+  under ``commits/``, and the launcher its host notices (``hosts.json``).
+  It must be the user's own, writable by nobody else; the launcher makes
+  its key (``commit.key``), and rank 0 restores only commits signed with
+  it (:mod:`ringtrain.cluster.commits` has the trust model);
 * ``RINGTRAIN_ELASTIC_JOB``: which start of the job this is (0 first);
 * ``RINGTRAIN_ELASTIC_GENERATION``: the host notices' generation the job
   started at. A higher one in ``hosts.json`` asks the job to stop at its next
@@ -27,95 +30,45 @@ runs them. Imports only the standard library and its neighbours.
 """
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import tempfile
 import time
 
-from ..environment import env_int
 from ..errors import UsageError
-from ..io.rundir import write_json_atomic
-from .discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, discovery_command, format_hosts,
-                        host_of_rank, run_discovery)
+from ..io.safeio import printable
+from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, elastic_start,
+                      is_listening, make_key, make_private_directory, read_notice, under_elastic_launch, write_listening,
+                      write_notice)
+from .discovery import (DiscoveryError, DiscoveryPoller, HostBook, assign, check_elastic_numbers, discovery_command,
+                        format_hosts, host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
-from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, format_command, make_logdir,
-                   not_restarted_line, read_exit_records, report_failure, report_success, run_job, start_logs)
+from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, format_command, last_error_line,
+                   make_logdir, not_restarted_line, read_exit_records, read_rank_logs, report_failure, report_success,
+                   run_job, start_logs)
 
-__all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "elastic_env",
-           "under_elastic_launch", "elastic_start", "write_notice", "read_notice", "write_listening", "is_listening",
-           "launch_elastic"]
+__all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "SAME_ERROR_LIMIT",
+           "elastic_env",
+           "under_elastic_launch", "elastic_start", "write_notice", "read_notice", "write_listening",
+           "is_listening", "launch_elastic"]
 
-ENV_DIR = "RINGTRAIN_ELASTIC_DIR"
-ENV_JOB = "RINGTRAIN_ELASTIC_JOB"
-ENV_GENERATION = "RINGTRAIN_ELASTIC_GENERATION"
 # sysexits' EX_TEMPFAIL ("try again later"): the job stopped so that it can
 # be started again on other hosts; nothing failed.
 RESTART_STATUS = 75
-COMMITS = "commits"
-_NOTICE = "hosts.json"
-_LISTENING = "listening.json"
 # How long the launcher waits for --min-np slots before it gives up. The
 # job's processes are gone while it waits and its commit is on disk, so
 # giving up loses nothing: launching again resumes.
 ELASTIC_TIMEOUT = 30.0
+# How many times in a row the job may fail the same way (the same exit
+# status, failing rank and last error line) before the launch gives up:
+# a restart cannot fix a deterministic error in the program, and with a
+# cool-down and no --reset-limit nothing else would end the launch.
+SAME_ERROR_LIMIT = 5
 # How often the discovery script runs (horovodrun's period).
 POLL_SECONDS = 1.0
 # The host of a launch given no hosts at all.
 LOCAL = "localhost"
-
-
-# --- the contract with the job ------------------------------------------------
-
-def elastic_env(directory, job, generation):
-    """The variables that tell a job where its commits go and which start this is (pure)."""
-    return {ENV_DIR: directory, ENV_JOB: str(job), ENV_GENERATION: str(generation)}
-
-
-def under_elastic_launch(env):
-    """True when ``env`` is a job's under a launcher that restarts it, possibly at another size (pure)."""
-    return elastic_start(env) is not None
-
-
-def elastic_start(env):
-    """``(job, generation)``: which start of an elastic launch this process is; None outside one (pure).
-
-    Raises:
-        EnvironmentValueError: either variable set to anything but a count, naming it.
-    """
-    fix = "ringtrain launch sets it for the job it starts; unset it"
-    job = env_int(env, ENV_JOB, None, fix=fix, everywhere=True)
-    generation = env_int(env, ENV_GENERATION, 0, fix=fix, everywhere=True)
-    return None if job is None else (job, generation)
-
-
-def write_notice(directory, generation, changes):
-    """Tell the job the hosts changed: its next commit stops it for a restart."""
-    write_json_atomic(os.path.join(directory, _NOTICE), {"generation": generation, "changes": sorted(changes)})
-
-
-def read_notice(directory):
-    """``(generation, changes)`` of the latest host notice, or None when there is none (or it is unreadable)."""
-    return _read_json(os.path.join(directory, _NOTICE), lambda d: (int(d["generation"]), list(d["changes"])))
-
-
-def write_listening(directory, job):
-    """Say that start ``job`` of the job watches the host notices (rank 0 of ``hvd.elastic.run`` calls it)."""
-    write_json_atomic(os.path.join(directory, _LISTENING), {"job": int(job)})
-
-
-def is_listening(directory, job):
-    """True when start ``job`` of the job said it watches the host notices."""
-    return _read_json(os.path.join(directory, _LISTENING), lambda d: int(d["job"]) == job) is True
-
-
-def _read_json(path, take):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return take(json.load(fh))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 # --- where commits live ---------------------------------------------------------
@@ -130,6 +83,18 @@ def commit_directory(logdir, env):
     if logdir is not None:
         return os.path.join(logdir, "elastic"), True
     return tempfile.mkdtemp(prefix="ringtrain-elastic-"), True
+
+
+def _prepare_directory(directory, given):
+    """Make the commit directory, its ``commits/`` and its key, all the user's own (0700; no link under it).
+
+    ``given``: the user named it (``RINGTRAIN_ELASTIC_DIR``), so it may be
+    their own link; the one under ``-o`` is the launcher's, and may not.
+    """
+    make_private_directory(directory, ENV_DIR if given else "the commit directory", link_ok=given)
+    make_private_directory(os.path.join(directory, COMMITS), ENV_DIR if given else "the commit directory",
+                           link_ok=False)
+    make_key(directory)
 
 
 def _has_commit(directory):
@@ -152,37 +117,54 @@ def _clear_records(directory):
 class _Launcher:
     """One elastic launch: its hosts, its starts and what it prints."""
 
-    def __init__(self, plan, numbers, discovery, fixed, slots_per_host, timeout, reset_limit, cooldown, delay,
-                 directory, stderr):
+    def __init__(self, plan, numbers, discovery, fixed, slots_per_host, limits, cooldown, delay, directory, stderr):
         self.plan, self.delay, self.stderr = plan, delay, stderr
         self.np, (self.min_np, self.max_np) = plan.np, numbers
         self.discovery, self.fixed, self.slots_per_host = discovery, fixed, slots_per_host
-        self.timeout, self.reset_limit = timeout, reset_limit
+        self.timeout, self.reset_limit, self.same_error_limit = limits
+        self.last_failure, self.same_failures = None, 0
         self.directory = directory
         self.records = plan.logdir
         self.book = HostBook(cooldown=cooldown)
         self._warned = None
         self.told_kept = False
+        self.poller = None
 
     def say(self, line):
         print(f"ringtrain launch: {line}", file=self.stderr, flush=True)
 
     def discover(self, first=False):
-        """Update the host book from discovery; the first failure is the user's to fix, later ones are warned of."""
+        """Update the host book from discovery; the first failure is the user's to fix, later ones are warned of.
+
+        The first run is waited for; later answers come from the poller's
+        thread (:meth:`poll`) and are taken without waiting, so a script
+        that hangs never holds up the loop that watches the job and the signals.
+        """
         if self.discovery is None:
             fixed = self.fixed or (Host(LOCAL, self.max_np or self.np),)
             return self.book.update({h.name: h.slots for h in fixed})
-        try:
-            found = run_discovery(self.discovery, self.slots_per_host or 1)
-        except DiscoveryError as exc:
-            if first:
+        if first:
+            try:
+                return self.book.update(run_discovery(self.discovery, self.slots_per_host or 1))
+            except DiscoveryError as exc:
                 raise UsageError(f"{exc}; fix the script, which must print 'host:slots' lines") from None
-            if str(exc) != self._warned:
-                self._warned = str(exc)
-                self.say(f"warning: {exc}; keeping the hosts it gave before")
+        found = self.poller.take() if self.poller is not None else None
+        if isinstance(found, DiscoveryError):
+            if str(found) != self._warned:
+                self._warned = str(found)
+                self.say(f"warning: {found}; keeping the hosts it gave before")
+            return set()
+        if found is None:
             return set()
         self._warned = None
         return self.book.update(found)
+
+    def poll(self):
+        """A context in which the discovery script runs about every ``POLL_SECONDS`` on its own thread."""
+        if self.discovery is None:
+            return contextlib.nullcontext()
+        self.poller = DiscoveryPoller(self.discovery, self.slots_per_host or 1, POLL_SECONDS)
+        return self.poller
 
     def wait_for_slots(self, need, forwarder):
         """The hosts to start on once they give ``need`` slots; None when stopped or out of time."""
@@ -198,7 +180,7 @@ class _Launcher:
                 self.say(f"waiting up to {self.timeout:g}s (--elastic-timeout) for {need} slot(s); "
                          f"the hosts give {self.describe_hosts()}")
                 told = True
-            _sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())), forwarder)
+            _sleep(min(0.1, max(0.0, deadline - time.monotonic())), forwarder)
             self.discover()
 
     def describe_hosts(self):
@@ -217,6 +199,26 @@ class _Launcher:
             if name is not None and self.book.record_failure(name):
                 self.say(f"host {name} is left out after failing {self.book.exclude_after} times")
 
+    def failed_the_same_way(self, status, failed, size):
+        """Count a failure; True (after saying so) when it is the ``--same-error-limit``-th alike in a row.
+
+        Alike: the same exit status, failing rank and last error line of
+        its log (with ``-o``; without, status and rank only).
+        """
+        line = None
+        if self.plan.logdir is not None and failed is not None:
+            line = last_error_line(read_rank_logs(self.plan.logdir, size).get(failed, ""))
+        signature = (status, failed, line)
+        self.same_failures = self.same_failures + 1 if signature == self.last_failure else 1
+        self.last_failure = signature
+        if not self.same_error_limit or self.same_failures < self.same_error_limit:
+            return False
+        what = f"status {status}" + ("" if failed is None else f", rank {failed}") + \
+            (f": {printable(line)}" if line else "")  # the program's text: escaped, never sent to the terminal
+        self.say(f"gave up: the job failed the same way {self.same_failures} times in a row ({what}); a restart "
+                 f"cannot fix that: fix the program, or give a larger --same-error-limit{_kept(self)}")
+        return True
+
     def args(self, assignment, job):
         """The MPI command line and extra environment of start ``job`` on ``assignment``."""
         size = sum(h.slots for h in assignment)
@@ -231,14 +233,15 @@ class _Watch:
         self.launcher, self.target, self.forwarder = launcher, assignment, forwarder
         self.job, self.generation = job, generation
         self.asked = False
-        self.next_poll = time.monotonic() + POLL_SECONDS
 
     def tick(self):
-        if time.monotonic() < self.next_poll:
-            return
-        self.next_poll = time.monotonic() + POLL_SECONDS
         launcher = self.launcher
-        changes = launcher.discover()
+        changes = launcher.discover()  # never waits: the answers come from the poller's thread
+        if self.asked:
+            # Asked once: the restart already under way starts on the hosts there are then, so a change
+            # (or a change back) since is folded into it. A second SIGUSR1 would make `ringtrain train`
+            # abort without its checkpoint.
+            return
         wanted = assign(launcher.book.available(), launcher.max_np)
         if wanted == self.target or sum(h.slots for h in wanted) < launcher.min_np:
             return
@@ -261,7 +264,7 @@ def _sleep(seconds, forwarder):
 def _run(launcher, np, env):
     """The starts, until one succeeds, the user stops it, or too few hosts are left."""
     job, generation, resets, need, status = 0, 0, 0, np, 1
-    with Forwarder() as forwarder:
+    with Forwarder() as forwarder, launcher.poll():
         while True:
             hosts = launcher.wait_for_slots(need, forwarder)
             if hosts is None:
@@ -304,6 +307,8 @@ def _run(launcher, np, env):
                 launcher.blame(assignment, failed)
                 where = "" if failed is None else f" (rank {failed} on {host_of_rank(assignment, failed)} failed)"
                 launcher.say(f"the job exited with status {status}{where}")
+                if launcher.failed_the_same_way(status, failed, size):
+                    return status
             resets += 1
             if launcher.reset_limit is not None and resets > launcher.reset_limit:
                 launcher.say(f"gave up: the job needed restart {resets}, more than --reset-limit "
@@ -328,7 +333,8 @@ def _format(args, extra):
 
 
 def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, slots_per_host, elastic_timeout,
-                   reset_limit, cooldown, restart_delay, check, dry_run, stdout, stderr, env=None):
+                   reset_limit, cooldown, restart_delay, check, dry_run, stdout, stderr, env=None,
+                   same_error_limit=SAME_ERROR_LIMIT):
     """Run ``plan``'s command elastically; returns the last start's exit status.
 
     Everything is checked before anything starts: the numbers, the hosts,
@@ -347,15 +353,20 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         reset_limit: restarts allowed (None: no limit).
         cooldown: ``(lower, upper)`` seconds a failing host stays out, or None (for good).
         restart_delay: seconds before a restart after a failure.
+        same_error_limit: give up when the job fails the same way this many times in a row (0: never).
         check, dry_run: as for :func:`ringtrain.cluster.launch.launch`.
     """
     env = dict(os.environ if env is None else env)
+    if env.get(ENV_DIR) and os.path.lexists(env[ENV_DIR]):  # a new one is made private at the start
+        check_private_directory(os.path.abspath(env[ENV_DIR]), ENV_DIR)
     numbers = check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, reset_limit, cooldown)
     fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
     if discovery_script is not None:
         discovery_script = discovery_command(discovery_script)
-    launcher = _Launcher(plan, numbers, discovery_script, fixed, slots_per_host, elastic_timeout, reset_limit,
-                         cooldown, restart_delay, None, stderr)
+    if same_error_limit < 0:
+        raise UsageError(f"--same-error-limit must be at least 0 (0: no limit), got {same_error_limit}")
+    launcher = _Launcher(plan, numbers, discovery_script, fixed, slots_per_host,
+                         (elastic_timeout, reset_limit, same_error_limit), cooldown, restart_delay, None, stderr)
     launcher.discover(first=True)
     if check:
         _check_reachable(launcher.book.available(), stderr)
@@ -368,11 +379,7 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         make_logdir(plan.logdir)
     launcher.directory, owned = commit_directory(plan.logdir, env)
     launcher.records = plan.logdir or launcher.directory
-    try:
-        os.makedirs(launcher.directory, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create the commit directory {launcher.directory} ({exc.strerror}); "
-                         f"give another with {ENV_DIR}=DIR") from None
+    _prepare_directory(launcher.directory, given=not owned)
     if _has_commit(launcher.directory):
         launcher.say(f"{launcher.directory} holds a commit of an earlier launch: the job resumes from it")
     stdout.flush()

@@ -17,10 +17,12 @@ import time
 
 from ..errors import UsageError
 from . import leftovers, reaper
+from .commits import check_private_directory
 from .signals import swapped_handlers
 
 __all__ = ["NO_RESTART_STATUSES", "SIGUSR1_STOP", "exit_status", "should_restart", "restart_line", "gave_up_line",
-           "not_restarted_line", "failure_report", "format_failure_report", "failed_rank", "first_failed",
+           "not_restarted_line", "failure_report", "last_error_line", "format_failure_report", "failed_rank",
+           "first_failed",
            "exit_record_name", "parse_exit_record", "read_rank_logs", "read_exit_records", "read_tail", "start_logs",
            "report_failure", "report_success", "Forwarder", "run_job", "run_with_restarts", "STOP_SIGNALS",
            "FORWARDED", "format_command", "MIN_LOG_SPACE", "free_bytes", "make_logdir"]
@@ -113,6 +115,23 @@ def parse_exit_record(text):
         return (float(parts[0]), int(parts[1])) if len(parts) == 2 else None
     except ValueError:
         return None
+
+
+def last_error_line(text):
+    """The line that names the error of the last traceback (or ringtrain failure record) in a log, or None (pure).
+
+    ``ValueError: bad shape`` from a traceback; ``rank 1: ValueError: ...``
+    from ringtrain's own record. What tells one failure from another.
+    """
+    found = None
+    lines = text.splitlines()
+    for number, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            after = [rest for rest in lines[number + 1:] if rest and not rest[:1].isspace()]
+            found = after[0] if after else found
+        elif re.match(r"rank [0-9]+: ", line) and not _TIMED_OUT.match(line):
+            found = line
+    return None if found is None else _cut(found)
 
 
 def first_failed(exits):
@@ -484,8 +503,14 @@ def free_bytes(path):
 
 
 def make_logdir(logdir):
-    """Create ``-o``'s directory, or say in one line why it cannot be."""
+    """Create ``-o``'s directory (mode 0700), or say in one line why it cannot be, or is not the user's own.
+
+    Another user's directory, or one others may write, could hold logs and
+    exit records planted to blame the wrong rank, or an elastic commit that
+    runs their code: it is refused (:func:`ringtrain.cluster.commits.check_private_directory`).
+    """
     try:
-        os.makedirs(logdir, exist_ok=True)
+        os.makedirs(logdir, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"-o {logdir}: cannot create it ({exc.strerror}); choose another log directory") from None
+    check_private_directory(logdir, "-o")  # after too: another user may have made it first

@@ -30,6 +30,7 @@ import tempfile
 
 from ..environment import env_int
 from ..errors import UsageError
+from .commits import check_private_directory
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
 from .slurm import allocation_hosts, allocation_tasks, step_tasks
@@ -355,9 +356,11 @@ def _resolve_mpirun(mpirun):
 
 
 def check_logdir(logdir):
-    """Refuse a log directory that cannot be made, before anything is started."""
+    """Refuse a log directory that cannot be made, or is not the user's own, before anything is started."""
     if os.path.exists(logdir) and not os.path.isdir(logdir):
         raise UsageError(f"-o {logdir}: exists and is not a directory; choose another log directory")
+    if os.path.lexists(logdir):
+        check_private_directory(logdir, "-o")
     parent = logdir
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

@@ -26,7 +26,14 @@ from ..environment import env_int
 from .hostfiles import Host
 
 __all__ = ["expand_hostlist", "expand_counts", "allocation_hosts", "allocation_tasks", "step_tasks",
-           "parse_time_left", "time_left", "job_end_time", "job_id", "SQUEUE_TIMEOUT"]
+           "parse_time_left", "time_left", "job_end_time", "job_id", "SQUEUE_TIMEOUT", "MAX_NODES"]
+
+# More nodes than any allocation has: a host list or task count that expands
+# past it is garbage, refused before anything is expanded (not a spin or a
+# MemoryError on n[1-99999999999]).
+MAX_NODES = 100_000
+# A node number or a count longer than this is no number Slurm writes.
+_MAX_DIGITS = 12
 
 # squeue asks slurmctld; a controller that does not answer must not hold up a start.
 SQUEUE_TIMEOUT = 10.0
@@ -71,12 +78,26 @@ def expand_hostlist(text):
         prefix, ranges, suffix = match.groups()
         for item in ranges.split(","):
             low, _, high = item.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise ValueError(f"host list {text!r}: expected numbers in {word!r}")
-            width = len(low)
-            for number in range(int(low), int(high or low) + 1):
+            if not _number(low) or (high and not _number(high)):
+                raise ValueError(f"host list {_shown(text)}: expected numbers in {_shown(word)}")
+            width, first, last = len(low), int(low), int(high or low)
+            if len(names) + max(0, last - first + 1) > MAX_NODES:
+                raise ValueError(f"host list {_shown(text)} names more than {MAX_NODES:,} nodes")
+            for number in range(first, last + 1):
                 names.append(f"{prefix}{number:0{width}d}{suffix}")
+    if len(names) > MAX_NODES:
+        raise ValueError(f"host list {_shown(text)} names more than {MAX_NODES:,} nodes")
     return names
+
+
+def _number(text):
+    """True for ASCII digits of a sane length (``str.isdigit`` takes ``²``, which ``int`` refuses)."""
+    return re.fullmatch(r"[0-9]{1,%d}" % _MAX_DIGITS, text) is not None
+
+
+def _shown(text, limit=60):
+    """``text`` quoted, cut to ``limit`` characters: a message quotes the start of a huge value, not all of it."""
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
 
 
 def expand_counts(text):
@@ -87,10 +108,13 @@ def expand_counts(text):
     """
     counts = []
     for word in text.strip().split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", word)
+        match = re.fullmatch(r"([0-9]{1,%d})(?:\(x([0-9]{1,%d})\))?" % (_MAX_DIGITS, _MAX_DIGITS), word)
         if not match:
-            raise ValueError(f"task counts {text!r}: expected 'N' or 'N(xK)', got {word!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
+            raise ValueError(f"task counts {_shown(text)}: expected 'N' or 'N(xK)', got {_shown(word)}")
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > MAX_NODES:
+            raise ValueError(f"task counts {_shown(text)} are for more than {MAX_NODES:,} nodes")
+        counts += [int(match.group(1))] * repeat
     return counts
 
 
@@ -167,7 +191,7 @@ def parse_time_left(text):
         return None
     days, _, clock = text.rpartition("-")
     fields = clock.split(":")
-    if not (days == "" or days.isdigit()) or not 1 <= len(fields) <= 3 or not all(f.isdigit() for f in fields):
+    if not (days == "" or _count(days)) or not 1 <= len(fields) <= 3 or not all(_count(f) for f in fields):
         raise ValueError(f"squeue time left {text!r}: expected [days-][hours:]minutes:seconds")
     seconds = 0
     for field in fields:
@@ -204,3 +228,8 @@ def time_left(env, now=None, run=subprocess.run):
     except ValueError as exc:
         return None, str(exc)
     return seconds, "squeue" if seconds is not None else "no time limit"
+
+
+def _count(text):
+    """True for a plain count squeue could print: ASCII digits, not too many ('²' passes isdigit())."""
+    return text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS

@@ -51,7 +51,7 @@ def add_arguments(parser):
 
 def add_elastic_arguments(parser):
     """horovodrun's elastic flags; any of the first three makes the launch elastic."""
-    from ..cluster.elastic import ELASTIC_TIMEOUT
+    from ..cluster.elastic import ELASTIC_TIMEOUT, SAME_ERROR_LIMIT
 
     group = parser.add_argument_group("elastic (horovodrun's flags): restart the job on the hosts there are")
     group.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="N",
@@ -66,6 +66,9 @@ def add_elastic_arguments(parser):
     group.add_argument("--elastic-timeout", type=float, default=ELASTIC_TIMEOUT, metavar="SECONDS",
                        help=f"wait this long for enough slots before giving up (default: {ELASTIC_TIMEOUT:g})")
     group.add_argument("--reset-limit", type=int, metavar="K", help="give up after K restarts (default: no limit)")
+    group.add_argument("--same-error-limit", type=int, metavar="N",
+                       help=f"give up when the job fails the same way N times in a row: the same exit status, "
+                            f"rank and last error line (default: {SAME_ERROR_LIMIT}; 0: never)")
     group.add_argument("--blacklist-cooldown-range", dest="cooldown", type=int, nargs=2, metavar=("MIN", "MAX"),
                        help="a failing host is left out for MIN to MAX seconds, not for good")
 
@@ -74,6 +77,7 @@ def elastic_settings(args):
     """The elastic keyword arguments of :func:`launch`, or None when no elastic flag was given (pure)."""
     if args.min_np is None and args.max_np is None and args.discovery_script is None:
         for flag, value in (("--slots-per-host", args.slots_per_host), ("--reset-limit", args.reset_limit),
+                            ("--same-error-limit", args.same_error_limit),
                             ("--blacklist-cooldown-range", args.cooldown)):
             if value is not None:
                 raise UsageError(f"{flag} is an elastic flag; give it with --min-np, --max-np or "
@@ -81,7 +85,8 @@ def elastic_settings(args):
         return None
     return {"min_np": args.min_np, "max_np": args.max_np, "discovery_script": args.discovery_script,
             "slots_per_host": args.slots_per_host, "elastic_timeout": args.elastic_timeout,
-            "reset_limit": args.reset_limit, "cooldown": tuple(args.cooldown) if args.cooldown else None}
+            "reset_limit": args.reset_limit, "cooldown": tuple(args.cooldown) if args.cooldown else None,
+            **({} if args.same_error_limit is None else {"same_error_limit": args.same_error_limit})}
 
 
 def run(args):

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import warnings
 import zipfile
 
@@ -52,6 +53,7 @@ __all__ = [
     "FORMAT_VERSION",
     "checkpoint_name",
     "latest_valid_checkpoint",
+    "hash_arrays",
     "list_checkpoints",
     "load_checkpoint",
     "read_checkpoint",
@@ -120,6 +122,12 @@ def _json_default(obj):
     if isinstance(obj, (tuple, set, frozenset)):
         return list(obj)
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def hash_arrays(h, arrays):
+    """Feed ``arrays`` to ``h`` (a hashlib or hmac object) in the checksum's canonical form, sorted by name."""
+    for name in sorted(arrays):
+        _hash_array(h, name, arrays[name])
 
 
 def _hash_array(h, name, array):
@@ -347,9 +355,11 @@ def _prune(directory, step, keep):
 
 def _remove_quietly(path):
     # Pruning is housekeeping: failing to delete an old file must not turn a
-    # successful save into an error.
+    # successful save into an error. Only regular files: whatever else has a
+    # checkpoint's name (a link, a directory) was not written here.
     try:
-        os.unlink(path)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
     except OSError:
         pass
 
@@ -436,11 +446,12 @@ def _read_members(f):
     return arrays, meta_bytes
 
 
-def read_checkpoint(path):
+def read_checkpoint(path, follow=True):
     """Read one checkpoint file and verify its checksum.
 
     Args:
         path: a ``.npz`` written by :func:`save_checkpoint`.
+        follow: False refuses a symbolic link at ``path`` (``O_NOFOLLOW``).
 
     Returns:
         ``(arrays, metadata)``: the flat dict name -> NumPy array in the order
@@ -457,7 +468,7 @@ def read_checkpoint(path):
     def fail(problem):
         return CheckpointError(f"checkpoint {path}: {problem}")
 
-    arrays, meta_bytes = _read_zip(path, fail)
+    arrays, meta_bytes = _read_zip(path, fail, follow)
     meta = _parse_meta(meta_bytes, fail)
     stored = meta.pop("sha256", None)
     if not isinstance(stored, str):
@@ -475,11 +486,11 @@ def read_checkpoint(path):
     return arrays, meta
 
 
-def _read_zip(path, fail):
+def _read_zip(path, fail, follow=True):
     """The arrays and the raw metadata member of the checkpoint at ``path``; ``fail(problem)`` makes the error."""
     # A FIFO named like a checkpoint must not block the resume, nor a link
     # to /dev/zero fill memory; and a checkpoint is read whole, so it must fit.
-    f = open_regular(path, "checkpoint", physical_memory(), "checkpoints", error=CheckpointError)
+    f = open_regular(path, "checkpoint", physical_memory(), "checkpoints", error=CheckpointError, follow=follow)
     try:
         size = os.fstat(f.fileno()).st_size
         magic = f.read(4)

@@ -121,11 +121,11 @@ def physical_memory():
         return None
 
 
-def open_regular(path, what=None, max_bytes=None, kind="files", error=UsageError):
+def open_regular(path, what=None, max_bytes=None, kind="files", error=UsageError, follow=True):
     """Open a user's file for reading, refusing anything that is not a bounded regular file.
 
     Args:
-        path: the file (symbolic links are followed, as users expect).
+        path: the file (symbolic links are followed, as users expect, unless ``follow`` is False).
         what: how the message names it, e.g. ``"--config"`` gives
             ``"--config PATH: ..."``; None gives ``"PATH: ..."``.
         max_bytes: refuse a larger file, before reading any of it.
@@ -133,6 +133,8 @@ def open_regular(path, what=None, max_bytes=None, kind="files", error=UsageError
             at most ..." (e.g. ``"config files"``).
         error: the exception class raised (a :class:`UsageError` subclass),
             called with the one-line message.
+        follow: False refuses a symbolic link at ``path`` itself (``O_NOFOLLOW``),
+            for files in a directory where no link is ever followed.
 
     Returns:
         A binary file object positioned at the start, in blocking mode.
@@ -144,8 +146,10 @@ def open_regular(path, what=None, max_bytes=None, kind="files", error=UsageError
     path = os.fspath(path)
     label = f"{what} {path}" if what else path
     try:
-        fd = open_regular_fd(path, max_bytes)
+        fd = open_regular_fd(path, max_bytes, follow)
     except Unreadable as exc:
+        if exc.oserror is not None and not follow and exc.oserror.errno == errno.ELOOP:
+            raise error(f"{label}: is a symbolic link, which is never followed here") from None
         if exc.oserror is not None:
             raise error(f"{label}: {os_reason(exc.oserror)}") from None
         if exc.kind is not None:
@@ -163,20 +167,24 @@ class Unreadable(Exception):
         self.oserror, self.kind, self.size = oserror, kind, size
 
 
-def open_regular_fd(path, max_bytes=None):
+def open_regular_fd(path, max_bytes=None, follow=True):
     """The safe open itself: a blocking read-only descriptor on a bounded regular file.
 
     Each caller words the refusal its own way (:func:`open_regular`, the
     launcher's hostfile reader); the checks are made here, once.
 
+    ``follow`` False opens with ``O_NOFOLLOW``: a symbolic link at ``path``
+    fails with ``ELOOP``.
+
     Raises:
         Unreadable: the open failed (``oserror``), the file is not a regular
             one (``kind``, in words), or it is over ``max_bytes`` (``size``).
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
     try:
         # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
         # writer forever; O_NOCTTY: a terminal device never becomes ours.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
     except OSError as exc:
         raise Unreadable(oserror=exc) from None
     try:

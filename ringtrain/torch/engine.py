@@ -75,7 +75,7 @@ import sys
 import threading
 import time
 
-from ..cluster.elastic import elastic_start
+from ..cluster.commits import elastic_start
 from ..comm.guard import HINT, get_timeout, timeout_from_env
 from ..environment import env_flag, env_seconds
 from ..errors import UsageError

@@ -3,7 +3,12 @@
 The launcher's parts need no torch; the sampler's and the commits' skip, saying why, where torch is not installed.
 """
 
+import os
+import pickle
 import random
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,10 +18,14 @@ from hypothesis import strategies as st
 from ringtrain.cluster import elastic as E
 from ringtrain.cluster.launch import launch
 from ringtrain.commands.launch import add_arguments, elastic_settings
-from ringtrain.cluster.discovery import (DiscoveryError, HostBook, assign, check_elastic_numbers, cooldown_seconds,
-                                         discovery_command, host_of_rank, parse_discovery, run_discovery)
+from ringtrain.cluster import commits as C
+from ringtrain.cluster.discovery import (DiscoveryError, DiscoveryPoller, HostBook, assign, check_elastic_numbers,
+                                         cooldown_seconds, discovery_command, host_of_rank, parse_discovery,
+                                         run_discovery)
+from ringtrain.cluster.jobs import last_error_line
 from ringtrain.cluster.hostfiles import Host
 from ringtrain.errors import UsageError
+from ringtrain.io.checkpoint import save_checkpoint
 
 try:
     import torch
@@ -328,3 +337,138 @@ def test_a_commit_that_cannot_be_written_says_where_in_one_line(tmp_path):
         CommitStore(str(tmp_path)).write(1, {"step": 1}, size=1)
     assert str(err.value).startswith(f"could not write checkpoint {tmp_path}/commits/ckpt-00000001.npz")
     assert "\n" not in str(err.value)
+
+
+# --- discovery bounded in time and in what it reads, off the launcher's loop ------------------------
+
+def test_a_discovery_script_that_hangs_is_killed_with_its_children_and_counts_as_failed(tmp_path):
+    pid_file = tmp_path / "pid"
+    with pytest.raises(DiscoveryError, match=r"did not finish within 0.5s; it was killed"):
+        run_discovery(f"sleep 600 & echo $! > {pid_file}; wait", timeout=0.5)
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(child, 0)
+            time.sleep(0.05)
+
+
+def test_a_discovery_script_that_prints_too_much_is_refused_not_read_whole():
+    with pytest.raises(DiscoveryError, match="printed more than 1,024 bytes"):
+        run_discovery("yes localhost:1", limit=1024)
+    assert run_discovery("echo a:2; echo b:1 >&2; yes x | head -c 5000000 >&2") == {"a": 2}
+
+
+def test_the_poller_answers_without_waiting_for_a_script_that_hangs(tmp_path):
+    flag = tmp_path / "hang"
+    poller = DiscoveryPoller(f"test -e {flag} && exec sleep 600; echo h:1", period=0.05, timeout=600)
+    with poller:
+        deadline = time.monotonic() + 30
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            answer = poller.take()
+            time.sleep(0.01)
+        assert answer == {"h": 1}
+        flag.touch()
+        time.sleep(0.5)  # a run is hanging now
+        began = time.monotonic()
+        for _ in range(10):
+            poller.take()  # never waits for it
+        assert time.monotonic() - began < 5
+    assert not poller._thread.is_alive(), "closing the poller left its thread (and the script) running"
+
+
+def test_the_last_error_line_tells_failures_apart():
+    log = "step 1\nTraceback (most recent call last):\n  File \"x.py\", line 1\n    raise ValueError('a')\n" \
+          "ValueError: a\nrank 0: ValueError: a\n"
+    assert last_error_line(log) == "rank 0: ValueError: a"
+    assert last_error_line("Traceback (most recent call last):\n  File 'y'\nKeyError: 'k'\n") == "KeyError: 'k'"
+    assert last_error_line("all went well\n") is None
+    assert last_error_line("rank 1: allreduce 'g' did not finish within 5s; waiting on rank 0\n") is None
+
+
+# --- the commit directory: the user's own, commits signed with its key -----------------------------
+
+class _Marker:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _forged(directory, marker, step=3):
+    arrays = {"state": np.frombuffer(pickle.dumps({"x": _Marker(marker)}), np.uint8)}
+    meta = {"elastic_format": 1, "size": 1, "finished": False, "sequence": step, "hmac": "0" * 64}
+    return save_checkpoint(str(directory / "commits"), step, arrays, meta)
+
+
+def test_a_commit_not_signed_with_the_key_is_never_unpickled_and_the_signed_one_before_it_is_restored(tmp_path):
+    store = C.CommitStore(str(tmp_path))
+    store.write(1, {"step": 1}, size=2)
+    assert oct(os.stat(tmp_path / "commit.key").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(tmp_path / "commits").st_mode & 0o777) == "0o700"
+    marker = tmp_path / "ran"
+    forged = _forged(tmp_path, marker)
+    warned = []
+    sequence, snapshot, _ = store.latest(warn=warned.append)
+    assert not marker.exists() and (sequence, snapshot) == (1, {"step": 1})
+    assert len(warned) == 1 and forged in warned[0] and "its HMAC does not match" in warned[0]
+    os.unlink(tmp_path / "commit.key")  # no key: nothing can be checked, nothing is restored
+    warned.clear()
+    assert store.latest(warn=warned.append) is None and not marker.exists() and len(warned) == 2
+
+
+def test_links_under_the_commit_directory_are_never_followed(tmp_path):
+    store = C.CommitStore(str(tmp_path / "d"))
+    store.write(1, {"step": 1}, size=1)
+    elsewhere = tmp_path / "elsewhere.npz"
+    os.rename(tmp_path / "d" / "commits" / "ckpt-00000001.npz", elsewhere)
+    os.symlink(elsewhere, tmp_path / "d" / "commits" / "ckpt-00000001.npz")
+    warned = []
+    assert store.latest(warn=warned.append) is None and "symbolic link" in warned[0]
+    store.write(2, {"step": 2}, size=1)
+    store.write(3, {"step": 3}, size=1)  # prunes: only regular files, never the link's target
+    assert elsewhere.exists()
+    other = C.CommitStore(str(tmp_path / "e"))
+    os.makedirs(tmp_path / "e", mode=0o700)
+    os.symlink(tmp_path / "elsewhere-dir", tmp_path / "e" / "commits")
+    with pytest.raises(UsageError, match="commits: is a symbolic link, which is never followed"):
+        other.write(1, {"step": 1}, size=1)
+    assert not (tmp_path / "elsewhere-dir").exists()
+
+
+@pytest.mark.parametrize("mode, message", [(0o644, "may be read or written by others"), (0o600, None)])
+def test_a_key_others_can_read_is_refused(tmp_path, mode, message):
+    key = C.make_key(str(tmp_path))
+    os.chmod(tmp_path / "commit.key", mode)
+    if message is None:
+        assert C.read_key(str(tmp_path)) == key
+    else:
+        with pytest.raises(UsageError, match=message):
+            C.read_key(str(tmp_path))
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path):
+    os.chmod(tmp_path, 0o777)
+    assert C.directory_problem(str(tmp_path)) == "is writable by its group and others (mode 0777)"
+    with pytest.raises(UsageError, match="another user could plant files there"):
+        C.CommitStore(str(tmp_path)).write(1, {}, size=1)
+    os.chmod(tmp_path, 0o700)
+    assert C.directory_problem(str(tmp_path)) is None
+
+
+def test_the_commit_store_works_without_torch(tmp_path):
+    # Every framework's hvd.elastic uses it: torch blocked, a commit still round-trips (signed and verified).
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from ringtrain.cluster.commits import CommitStore\n"
+            f"store = CommitStore({str(tmp_path)!r}); store.write(1, {{'a': [1, 2]}}, size=1)\n"
+            "print(store.latest()[:2])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "(1, {'a': [1, 2]})", done.stderr
+
+
+@pytest.mark.parametrize("line", ["node1:²", "node1:" + "9" * 30])
+def test_discovery_slots_must_be_a_plain_bounded_count(line):
+    from ringtrain.cluster.discovery import DiscoveryError, parse_discovery
+    with pytest.raises(DiscoveryError, match="expected 'host:slots'"):
+        parse_discovery(line)

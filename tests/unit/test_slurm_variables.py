@@ -228,3 +228,28 @@ def test_no_limit_never_stops_and_the_checkpoint_is_assumed_slow_until_timed():
     assert not never.reached() and not never.reached()
     assumed = Deadline(1000.0, checkpoint_bytes=500e6, clock=clock)
     assert assumed.margin() == stop_margin(0, 0, 10.0)  # 500 MB at the assumed 50 MB/s
+
+
+@pytest.mark.parametrize("text, message", [
+    ("n[1-99999999999]", "names more than 100,000 nodes"),
+    ("n[1-60000],m[1-60000]", "names more than 100,000 nodes"),
+    ("n[²]", "expected numbers"),
+    ("n[1-" + "9" * 400 + "]", "expected numbers"),
+])
+def test_a_host_list_is_expanded_within_a_bound_or_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        expand_hostlist(text)
+    assert len(expand_hostlist("n[1-100000]")) == 100_000
+
+
+@pytest.mark.parametrize("text", ["1(x99999999999)", "2(x60000),1(x60000)", "²", "1(x" + "9" * 400 + ")"])
+def test_task_counts_are_expanded_within_a_bound_or_refused(text):
+    with pytest.raises(ValueError):
+        expand_counts(text)
+
+
+@pytest.mark.parametrize("text", ["²:00", "1-²:00:00", "1" * 400 + ":00"])
+def test_squeue_time_left_that_is_no_plain_count_is_a_value_error_not_a_crash(text):
+    from ringtrain.cluster.slurm import parse_time_left
+    with pytest.raises(ValueError, match="expected"):
+        parse_time_left(text)

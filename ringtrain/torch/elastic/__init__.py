@@ -110,7 +110,7 @@ def _resume(state, store):
     header, problem = None, None
     if rank() == 0:
         try:
-            found = store.latest()
+            found = store.latest(warn=lambda line: _say(f"warning: {line}"))
             if found is not None:
                 sequence, snapshot, meta = found
                 state._load_snapshot(snapshot["state"])

@@ -1,96 +1,41 @@
-"""Where a commit goes: rank 0 writes it whole or not at all, so a restarted job finds the last one.
+"""Where a torch job's commits go: :mod:`ringtrain.cluster.commits`'s store, with tensors kept as arrays.
 
-A commit is one checkpoint file of :mod:`ringtrain.io.checkpoint` (written
-to a temporary file, fsynced, renamed over its name, the directory
-fsynced; SHA-256 over every byte), in ``$RINGTRAIN_ELASTIC_DIR/commits``:
-each tensor of the state is a member array of its own, and the rest (an
-``ObjectState``'s values, an optimizer's options, where each tensor goes)
-is one pickled member that refers to them. The newest two are kept, so a
-commit damaged on disk falls back to the one before it.
+A commit is one checkpoint file of :mod:`ringtrain.io.checkpoint` in
+``$RINGTRAIN_ELASTIC_DIR/commits``: each tensor of the state is a member
+array of its own, and the rest (an ``ObjectState``'s values, an optimizer's
+options, where each tensor goes) is one pickled member that refers to them.
 
 The pickled member is what Horovod's ``broadcast_object`` sends between
-ranks; loading it runs whatever code its classes name, so the directory
-must be as trusted as the script itself (the launcher makes it, private to
-its user, or under ``-o``). Only rank 0 calls these; nothing here talks to MPI.
+ranks; loading it runs whatever code its classes name, so it is unpickled
+only after its HMAC under the directory's key verified (the trust model is
+:mod:`ringtrain.cluster.commits`'s). Only rank 0 calls these; nothing here
+talks to MPI.
 """
 
 import io
-import os
 import pickle
-import warnings
 
 import numpy as np
 import torch
 
-from ...cluster.elastic import COMMITS, ENV_DIR, elastic_start, read_notice, write_listening
-from ...io.checkpoint import CheckpointError, latest_valid_checkpoint, save_checkpoint
+from ...cluster import commits as _neutral
 
 __all__ = ["CommitStore", "encode", "decode", "FORMAT"]
 
-FORMAT = 1
+FORMAT = _neutral.FORMAT
 _STATE = "state"
-_KEEP = 2
 
 
-class CommitStore:
-    """A job's commit directory and its host notices, as the launcher set them in the environment.
+class CommitStore(_neutral.CommitStore):
+    """:class:`ringtrain.cluster.commits.CommitStore` whose snapshots hold torch tensors."""
 
-    Args:
-        directory: ``$RINGTRAIN_ELASTIC_DIR``.
-        job: which start of the job this is (``$RINGTRAIN_ELASTIC_JOB``).
-        generation: the host notices' generation this start began at.
-    """
+    def encode(self, snapshot):
+        """Every tensor an array, the rest one pickle (see :func:`encode`)."""
+        return encode(snapshot)
 
-    def __init__(self, directory, job=0, generation=0):
-        self.directory = os.path.abspath(directory)
-        self.commits = os.path.join(self.directory, COMMITS)
-        self.job, self.generation = job, generation
-
-    @classmethod
-    def from_env(cls, env=None):
-        """The store the environment names, or None outside an elastic launch (commits stay in memory)."""
-        env = os.environ if env is None else env
-        if not env.get(ENV_DIR):
-            return None
-        job, generation = elastic_start(env) or (0, 0)
-        return cls(env[ENV_DIR], job, generation)
-
-    def write(self, sequence, snapshot, size, finished=False):
-        """Write commit number ``sequence`` (whole, or not at all); returns its path.
-
-        Raises:
-            CheckpointError: one line naming the file and why it could not be written.
-        """
-        arrays, meta = encode(snapshot)
-        meta.update(elastic_format=FORMAT, size=size, finished=bool(finished))
-        return save_checkpoint(self.commits, sequence, arrays, meta, keep=_KEEP)
-
-    def latest(self):
-        """``(sequence, snapshot, metadata)`` of the newest commit that verifies, or None when there is none.
-
-        A damaged commit is skipped with a warning (falling back to the one before).
-        """
-        found = latest_valid_checkpoint(self.commits, warn=_warn)
-        if found is None:
-            return None
-        path, arrays, meta = found
-        if meta.get("elastic_format") != FORMAT or _STATE not in arrays:
-            raise CheckpointError(f"{path} is not a commit of hvd.elastic (format {meta.get('elastic_format')!r}); "
-                                  f"remove it, or give another {ENV_DIR}")
-        return meta["step"], decode(arrays), meta
-
-    def notice(self):
-        """The generation of the launcher's latest host notice and what changed, or None."""
-        return read_notice(self.directory)
-
-    def listen(self):
-        """Tell the launcher that this start watches its host notices (so it need not send SIGUSR1)."""
-        os.makedirs(self.directory, exist_ok=True)
-        write_listening(self.directory, self.job)
-
-
-def _warn(line):
-    warnings.warn(line, stacklevel=2)
+    def decode(self, arrays):
+        """The snapshot, its tensors rebuilt (called only on a commit whose HMAC verified)."""
+        return decode(arrays)
 
 
 def encode(snapshot):
@@ -105,8 +50,6 @@ def encode(snapshot):
 def decode(arrays):
     """The snapshot :func:`encode` wrote, its tensors made from the arrays (on their devices where there are)."""
     return _TensorUnpickler(io.BytesIO(arrays[_STATE].tobytes()), arrays).load()
-
-
 # NumPy has these dtypes; any other (bfloat16, float8...) travels as its bytes.
 _NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                  torch.float32, torch.float64, torch.complex64, torch.complex128}
