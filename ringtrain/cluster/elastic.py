@@ -39,8 +39,8 @@ import time
 from ..errors import UsageError
 from ..io.safeio import printable
 from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, elastic_start,
-                      is_listening, make_key, make_private_directory, read_notice, under_elastic_launch, write_listening,
-                      write_notice)
+                      is_listening, make_key, make_private_directory, read_notice, under_elastic_launch,
+                      write_listening, write_notice)
 from .discovery import (DiscoveryError, DiscoveryPoller, HostBook, assign, check_elastic_numbers, discovery_command,
                         format_hosts, host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
