@@ -1,4 +1,4 @@
-"""The pure parts of ringtrain.torch's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
+"""The pure parts of ringtrain's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
 
 import math
 
@@ -9,11 +9,12 @@ from ringtrain.errors import UsageError
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
 
-from ringtrain.torch import kernels  # noqa: E402 - after the importorskip above
-from ringtrain.torch.engine import stall_times  # noqa: E402
-from ringtrain.torch.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
-                                         first_difference, join_blocks, same_value, stall_report, verdict)
-from ringtrain.torch.ops_async import alltoall_splits  # noqa: E402
+from ringtrain.engine import kernels  # noqa: E402 - after the importorskip above
+from ringtrain.engine.core import stall_times  # noqa: E402
+from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
+                                          first_difference, join_blocks, same_value, stall_report, verdict)
+from ringtrain.engine.ops import alltoall_splits  # noqa: E402
+from ringtrain.torch.tensors import array_of, check_tensor, dtype_name, tensor_of  # noqa: E402
 
 MEMBERS = (0, 1, 2)
 
@@ -141,9 +142,9 @@ def test_stall_variables_parse_as_horovods_and_bad_values_are_one_line_errors(ca
 
 def test_alltoall_splits_are_checked_on_the_rank_that_passes_them():
     assert alltoall_splits(6, None, 3) == [2, 2, 2]
-    assert alltoall_splits(6, torch.tensor([0, 5, 1], dtype=torch.int32), 3) == [0, 5, 1]
+    assert alltoall_splits(6, np.array([0, 5, 1], dtype=np.int32), 3) == [0, 5, 1]
     assert alltoall_splits(6, [1, 1, 0], 3) == [1, 1, 0]  # rows left over stay behind
-    for rows, splits, message in [(7, None, "not a multiple"), (6, torch.ones(3), "int32"),
+    for rows, splits, message in [(7, None, "not a multiple"), (6, np.ones(3), "int32"),
                                   (6, [1, 1], "3 counts of at least 0"), (6, [-1, 1, 1], "3 counts"),
                                   (2, [1, 1, 1], "more than the first dimension")]:
         with pytest.raises(ValueError, match=message):
@@ -151,10 +152,10 @@ def test_alltoall_splits_are_checked_on_the_rank_that_passes_them():
 
 
 def test_tensors_no_collective_takes_are_named_in_one_line():
-    assert kernels.check_tensor(torch.ones(2), "allreduce") is None
-    assert "expected a torch.Tensor, got list" in kernels.check_tensor([1.0], "allreduce")
-    assert "complex64 is not supported" in kernels.check_tensor(torch.ones(2, dtype=torch.complex64), "allreduce")
-    assert "sparse tensor" in kernels.check_tensor(torch.ones(2).to_sparse(), "allreduce")
+    assert check_tensor(torch.ones(2), "allreduce") is None
+    assert "expected a torch.Tensor, got list" in check_tensor([1.0], "allreduce")
+    assert "complex64 is not supported" in check_tensor(torch.ones(2, dtype=torch.complex64), "allreduce")
+    assert "sparse tensor" in check_tensor(torch.ones(2).to_sparse(), "allreduce")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
@@ -164,11 +165,13 @@ def test_a_small_op_computed_on_the_spot_matches_a_reference_reduction(dtype, op
     rng = np.random.default_rng(3)
     values = [rng.integers(0 if dtype in (torch.uint8, torch.bool) else -3, 4, size=5) for _ in range(3)]
     inputs = [torch.tensor(v).to(dtype) for v in values]
-    meta = reduction(shape=(5,), dtype=kernels.dtype_name(dtype), op=op)
-    out = torch.empty(5, dtype=dtype)
+    meta = reduction(shape=(5,), dtype=dtype_name(dtype), op=op)
+    out, element = array_of(torch.empty(5, dtype=dtype))
+    views = [array_of(t)[0] for t in inputs]
     # Rank 1's input arrives as raw bytes, as it would from another rank.
-    got = kernels.reduce_locally(meta, [inputs[0], kernels.raw_bytes(inputs[1]), inputs[2]], out)
+    got = kernels.reduce_locally(meta, [views[0], kernels.raw_bytes(views[1]), views[2]], out)
     assert got is out
+    got = tensor_of(got, element)
     stacked = np.stack([v.astype(np.float64) for v in values])
     if dtype == torch.bool:
         want = stacked.any(0) if op in ("sum", "average", "max") else stacked.all(0)
@@ -188,10 +191,11 @@ def test_a_small_op_computed_on_the_spot_matches_a_reference_reduction(dtype, op
 def test_the_fast_sum_gives_the_bits_of_summing_in_member_order():
     rng = np.random.default_rng(0)
     inputs = [torch.tensor(rng.standard_normal(64), dtype=torch.float32) for _ in range(4)]
-    out = inputs[2]  # in place, in the middle: its own value must be read before it is overwritten
     want = ((inputs[0] + inputs[1] + inputs[2].clone() + inputs[3]) / 4).numpy()
-    got = kernels.reduce_locally(reduction(shape=(64,), op="average"), list(inputs), out)
-    np.testing.assert_array_equal(got.numpy(), want)
+    views = [t.numpy() for t in inputs]
+    # In place, in the middle: its own value must be read before it is overwritten.
+    got = kernels.reduce_locally(reduction(shape=(64,), op="average"), views, views[2])
+    np.testing.assert_array_equal(got, want)
 
 
 def test_fusion_keys_treat_nan_factors_alike():

@@ -1,13 +1,13 @@
 """One process set's ops on this rank: announced to every member, run as every member's verdict says.
 
-The engine (:mod:`ringtrain.torch.engine`) keeps a :class:`Channel` for every
+The engine (:mod:`ringtrain.engine.engine`) keeps a :class:`Channel` for every
 process set this rank belongs to. A channel talks only to the set's
 members, over two communicators of its own: ``control`` for the messages
 below, ``data`` for the collectives themselves. So a set's ops complete as
 soon as its members have submitted them, whatever ranks outside the set
 are doing.
 
-The protocol (:mod:`ringtrain.torch.negotiation` holds the rules; one tag,
+The protocol (:mod:`ringtrain.engine.negotiation` holds the rules; one tag,
 and MPI keeps each sender's messages in order)::
 
     every member -> every member   ("a", rank, [(key, meta id, meta or None, info, data), ...])
@@ -39,8 +39,6 @@ import os
 import sys
 import threading
 import time
-
-import torch
 
 from . import kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
@@ -96,7 +94,7 @@ class Channel:
     """One process set's queue, names in flight, board of announcements and driver.
 
     Args:
-        engine: the :class:`~ringtrain.torch.engine.Engine` (its rank, stall settings, reports, timeline).
+        engine: the :class:`~ringtrain.engine.engine.Engine` (its rank, stall settings, reports, timeline).
         set_id: the process set's id.
         ranks: the set's ranks (of the runtime's communicator), in order.
         data, control: communicators over ``ranks``, in that order.
@@ -498,7 +496,7 @@ class Channel:
             data = [announced[r][2] for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
             out = entry.args[1] if len(entry.args) > 1 else None
             timeline = self.engine.timeline
-            try:  # (kernels write a parameter's data under no_grad where they use torch; NumPy needs none)
+            try:
                 if timeline is None:
                     result = kernels.run_local(v.meta, data, out)
                 else:
@@ -593,15 +591,12 @@ class Channel:
             return
         timeline = self.engine.timeline
         try:
-            # Whatever thread runs it, an op writes its outputs as data, not as autograd ops: an in-place op on
-            # a parameter is allowed (under the caller's no_grad, which this thread may not share).
-            with torch.no_grad():
-                if timeline is None:
+            if timeline is None:
+                results = kernels.run(entry.kind, self.data, group)
+            else:
+                name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+                with timeline.span(name, tid=1):
                     results = kernels.run(entry.kind, self.data, group)
-                else:
-                    name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-                    with timeline.span(name, tid=1):
-                        results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             for _, e in group:
                 self._complete(e, error=_as_runtime_error(exc))
@@ -686,7 +681,7 @@ class Channel:
         if message is None:
             return
         self._last_warning = now
-        sys.stderr.write(f"[ringtrain.torch] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
+        sys.stderr.write(f"[ringtrain.engine] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
         sys.stderr.flush()
         if shut_down:
             late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})

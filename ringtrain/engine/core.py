@@ -1,4 +1,4 @@
-"""The engine behind Horovod's collectives: one per :func:`~ringtrain.torch.runtime.init`, and its failure model.
+"""The engine behind Horovod's collectives: one per :func:`~ringtrain.engine.runtime.init`, and its failure model.
 
 The contract.
 
@@ -12,7 +12,7 @@ The contract.
   ``remove_process_set`` and ``stop_timeline``, in the same order everywhere.
 * **Ordering.** Within a process set, ranks may submit named ops in any
   order. Each member tells every other member what it submits
-  (:mod:`ringtrain.torch.channel`); once a member has heard an op from every
+  (:mod:`ringtrain.engine.channel`); once a member has heard an op from every
   member it knows, as they all do, whether it fails (they disagree), is
   computed on the spot (a small CPU allreduce, broadcast or barrier: its
   data came with the announcements), or is a collective, which every member
@@ -100,7 +100,7 @@ def stall_times(env=None):
     warn = _seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
     shutdown = _seconds(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
     if shutdown and shutdown < warn:
-        sys.stderr.write("[ringtrain.torch] WARNING HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
+        sys.stderr.write("[ringtrain.engine] WARNING HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
                          "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.\n")
         shutdown = 0.0
     return warn, shutdown
@@ -124,7 +124,7 @@ class Engine:
     """The channels of the process sets this rank is in, the notices between ranks, and the watch.
 
     Collective over ``comm`` (the runtime's communicator): every rank builds one in ``init``. ``sets``
-    (:class:`~ringtrain.torch.process_sets.ProcessSets`) owns the communicators the channels run over.
+    (:class:`~ringtrain.engine.process_sets.ProcessSets`) owns the communicators the channels run over.
     """
 
     def __init__(self, comm, sets, env=None):
@@ -218,7 +218,7 @@ class Engine:
         if self.broken is None:
             self._tell_everyone(f"rank {self.rank} has been shut down (ops after a rank's shutdown fail, "
                                 "as in Horovod)", failure=False)
-            self._break("ringtrain.torch has been shut down on this rank; call hvd.init() again", failure=False)
+            self._break("ringtrain's engine has been shut down on this rank; call hvd.init() again", failure=False)
         for set_id in sorted(self.channels):
             self.channels[set_id].finish_close(timeout=30.0)
         for channel in self.channels.values():
@@ -306,7 +306,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a watch that dies silently would hide every later stall
                 if self._stop.is_set():
                     return
-                sys.stderr.write(f"[ringtrain.torch] rank {self.rank}: the watch thread failed: {describe(exc)}\n")
+                sys.stderr.write(f"[ringtrain.engine] rank {self.rank}: the watch thread failed: {describe(exc)}\n")
                 return
 
     def _report(self, now):

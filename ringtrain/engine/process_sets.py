@@ -6,7 +6,7 @@ rank (collective, in the same order everywhere) and get ids 1, 2, ...
 
 :class:`ProcessSets` is the one place that owns a set's communicators: the
 engine's two (``data`` for the collectives, ``control`` for matching them;
-:class:`~ringtrain.torch.channel.Channel`) and, made on first use, the one
+:class:`~ringtrain.engine.channel.Channel`) and, made on first use, the one
 Horovod's helpers run over on the caller's thread (``broadcast_parameters``,
 ``DistributedOptimizer``; :func:`communicator_of`). Two threads must never
 run collectives on one communicator, hence the separate ones. They are
