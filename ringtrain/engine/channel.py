@@ -30,7 +30,7 @@ bytes per member (Horovod's response cache does the same with a bit).
 Who runs it. Whoever holds the channel's driver lock: the caller's own
 thread inside ``synchronize`` (no hand-off, the common case), or else the
 channel's thread, which takes over ops nobody has come for within one
-cycle (``HOROVOD_CYCLE_TIME``, 1 ms) and sleeps, costing nothing, while
+cycle (``HOROVOD_CYCLE_TIME``, 1 ms; :mod:`ringtrain.engine.settings`) and sleeps, costing nothing, while
 the set is idle. Only the driver calls MPI on ``control`` and ``data``.
 """
 
@@ -45,11 +45,10 @@ from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternal
 from .handles import Pending
 from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, join_blocks, stall_report, user_name, verdict
 
-__all__ = ["Entry", "Channel", "Decision", "CYCLE_S", "TICK_S", "PROBE_S"]
+__all__ = ["Entry", "Channel", "Decision", "TICK_S", "PROBE_S"]
 
 TAG = 7
 RUN = "run"
-CYCLE_S = float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 WATCH_S = 0.1       # the thread keeps watching this long after the set was last busy, then sleeps
@@ -57,7 +56,6 @@ WATCH_MAX_S = 0.008  # the longest it waits between looks while watching
 SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
 YIELD_S = 0.005     # how long it yields before it starts to sleep
 SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
-FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
 INFO_KINDS = ("allgather", "alltoall")  # the kinds whose kernels need every member's info
 
 
@@ -141,7 +139,9 @@ class Channel:
         self._inspected = 0.0
         self._last_warning = 0.0
         self._thread = None
-        self._interval = CYCLE_S
+        self._cycle_s = engine.settings.cycle_s
+        self._fusion_bytes = engine.settings.fusion_bytes
+        self._interval = self._cycle_s
 
     # The caller's side.
 
@@ -255,7 +255,7 @@ class Channel:
             elif now - since > SPIN_S:
                 if deadline is not None and now > deadline:
                     return
-                _pause(now - since)
+                _pause(now - since, self._cycle_s)
 
     def _has_work(self):
         return bool(self._queue or self._mine or self._ordered or (self._closing and not self._closed))
@@ -264,7 +264,7 @@ class Channel:
         while self._wait_for_work():
             if not self._take_driver(blocking=False):
                 continue
-            self._interval = CYCLE_S
+            self._interval = self._cycle_s
             try:
                 self._drive_until(lambda: not self._has_work() or self._stopped)
             finally:
@@ -277,7 +277,7 @@ class Channel:
                 now = time.monotonic()
                 if self._has_work() and not self._driving:
                     oldest = min((e.submitted for e in self._queue), default=0.0)
-                    ready_at = max(oldest, self._last_drive) + CYCLE_S
+                    ready_at = max(oldest, self._last_drive) + self._cycle_s
                     if now >= ready_at or self._closing:
                         return True
                     self._cond.wait(ready_at - now)
@@ -573,7 +573,7 @@ class Channel:
                 break
             other = next(a[0] for a in self._board.announcements(k).values() if a[0] != JOINED)
             if (other[0][1] != kind or _grouped(other) or kernels.fuse_key(other) != key
-                    or total + kernels.nbytes(other) > FUSION_BYTES):
+                    or total + kernels.nbytes(other) > self._fusion_bytes):
                 break
             self._ordered.popleft()
             total += kernels.nbytes(other)
@@ -613,7 +613,7 @@ class Channel:
             if kind in kernels.FUSABLE:
                 key, total = kernels.fuse_key(group[0][0].meta), kernels.nbytes(group[0][0].meta)
                 while (i < len(parts) and kernels.fuse_key(parts[i][0].meta) == key
-                       and total + kernels.nbytes(parts[i][0].meta) <= FUSION_BYTES):
+                       and total + kernels.nbytes(parts[i][0].meta) <= self._fusion_bytes):
                     total += kernels.nbytes(parts[i][0].meta)
                     group.append(parts[i])
                     i += 1
@@ -701,7 +701,7 @@ def _as_runtime_error(exc):
     return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
 
 
-def _pause(waited):
+def _pause(waited, cycle_s):
     """Between polls for a message: spin, then yield the core, then sleep longer the longer the wait has lasted.
 
     A peer that answers within microseconds is caught spinning; yielding
@@ -712,6 +712,6 @@ def _pause(waited):
     if waited < YIELD_S:
         os.sched_yield()
     elif waited < 0.1:
-        time.sleep(CYCLE_S)
+        time.sleep(cycle_s)
     else:
         time.sleep(SLOW_S)

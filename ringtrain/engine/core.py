@@ -70,20 +70,18 @@ What fails how.
 """
 
 import itertools
-import os
 import sys
 import threading
 import time
 
 from ..comm.guard import HINT, get_timeout
-from ..errors import UsageError
 from ..failure import describe
 from .channel import PROBE_S, TICK_S, Channel, Entry
 from .errors import HorovodInternalError
 from .handles import Pending
 from .negotiation import Names, op_key
 
-__all__ = ["Engine", "Entry", "stall_times", "GRACE_S", "HELPER_GRACE_S"]
+__all__ = ["Engine", "Entry", "GRACE_S", "HELPER_GRACE_S"]
 
 NOTICE_TAG = 11
 GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print how its ops failed
@@ -92,45 +90,21 @@ GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print h
 HELPER_GRACE_S = 5.0
 
 
-def stall_times(env=None):
-    """``(warn after, shut down after)`` in seconds from Horovod's variables; ``(None, 0)`` when disabled (pure)."""
-    env = os.environ if env is None else env
-    if env.get("HOROVOD_STALL_CHECK_DISABLE", "").strip() not in ("", "0"):
-        return None, 0.0
-    warn = _seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
-    shutdown = _seconds(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
-    if shutdown and shutdown < warn:
-        sys.stderr.write("[ringtrain.engine] WARNING HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
-                         "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.\n")
-        shutdown = 0.0
-    return warn, shutdown
-
-
-def _seconds(env, name, default):
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise UsageError(f"{name}={text!r}: must be a number of seconds >= 0; unset it for the default",
-                         everywhere=True)
-    return value
-
-
 class Engine:
     """The channels of the process sets this rank is in, the notices between ranks, and the watch.
 
     Collective over ``comm`` (the runtime's communicator): every rank builds one in ``init``. ``sets``
-    (:class:`~ringtrain.engine.process_sets.ProcessSets`) owns the communicators the channels run over.
+    (:class:`~ringtrain.engine.process_sets.ProcessSets`) owns the communicators the channels run over;
+    ``settings`` (:class:`~ringtrain.engine.settings.Settings`) is what the environment set, read once.
     """
 
-    def __init__(self, comm, sets, env=None):
+    def __init__(self, comm, sets, settings):
         self.user_comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.stall_times = stall_times(env)
+        self.settings = settings
+        self.stall_times = settings.stall_times
+        for note in settings.notes:
+            sys.stderr.write(f"[ringtrain.engine] WARNING {note}\n")
         self.names = Names()
         self.reports = {}           # rank -> [(process set, key)] it has waited on longest (conflicts)
         self.timeline = None        # a ringtrain Timeline while start_timeline is on

@@ -26,11 +26,10 @@ from .reduce_ops import Average, op_name
 
 __all__ = ["allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
            "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "barrier",
-           "join", "poll", "synchronize", "refused", "alltoall_splits", "start_timeline", "stop_timeline",
-           "LOCAL_BYTES"]
+           "join", "poll", "synchronize", "refused", "alltoall_splits", "start_timeline", "stop_timeline"]
 
-# An allreduce or broadcast up to this size travels with its announcements and is computed on every rank.
-LOCAL_BYTES = 16 << 10
+# An allreduce or broadcast of these kinds up to RINGTRAIN_HVD_LOCAL_BYTES travels with its announcements
+# and is computed on every rank.
 LOCAL_KINDS = ("allreduce", "broadcast")  # the kinds whose small CPU ops go with their announcements
 
 
@@ -81,7 +80,7 @@ def submit(kind, name, process_set, describe, finish=None, exact=False):
         if not isinstance(first, (list, tuple)) and arrays.is_cuda(first):
             arrays.synchronize(first)  # another thread (the channel's) may read the array next
         elif kind in LOCAL_KINDS and len(meta) > 3 and meta[3][1] != "adasum":  # (a grouped meta has 2 fields)
-            local = 0 < first.nbytes <= LOCAL_BYTES
+            local = 0 < first.nbytes <= engine.settings.local_bytes
     pending = engine.submit(set_id, Entry(key, (name, set_id), kind, meta, info, args, handles.Pending(finish),
                                           local))
     return handles.register(pending)

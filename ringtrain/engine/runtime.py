@@ -19,8 +19,11 @@ import threading
 
 from .. import backend
 from ..cluster.topology import TaskSpec, node_layout
+from ..errors import UsageError
+from ..failure import verdict_of
 from .core import Engine
 from .process_sets import ProcessSets, add_process_set
+from .settings import Settings
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
            "cross_rank", "is_homogeneous", "mpi_threads_supported", "communicator", "current", "Runtime",
@@ -106,11 +109,12 @@ def init(comm=None, process_sets=None):
             return
         communicator_, owned = _communicator_from(comm)
         runtime = Runtime(communicator_, owned)
+        settings = _agreed_settings(communicator_)
         if not runtime.threads_multiple and runtime.spec.size > 1:
             raise ValueError("ringtrain's engine needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
         runtime.sets = ProcessSets(communicator_)
-        runtime.engine = Engine(communicator_, runtime.sets)
+        runtime.engine = Engine(communicator_, runtime.sets, settings)
         runtime.sets.engine = runtime.engine
         # An uncaught exception must end the job, not leave the other ranks waiting on this one.
         runtime.previous_hook = sys.excepthook
@@ -121,6 +125,26 @@ def init(comm=None, process_sets=None):
         _runtime = runtime
     for ps in process_sets or []:
         add_process_set(ps)
+
+
+def _agreed_settings(comm):
+    """The engine's :class:`Settings`, once every rank has read its own (collective over ``comm``).
+
+    A bad value on any rank ends the job on every rank, one line from the
+    first and status 2, before anything starts: a rank that left alone would
+    hold the others in their first op, and a bound must not be switched off
+    in silence.
+    """
+    try:
+        settings, problem = Settings.from_env(), None
+    except UsageError as exc:
+        settings, problem = None, str(exc)
+    verdict = verdict_of(comm.allgather(problem))
+    if verdict is None:
+        return settings
+    if comm.Get_rank() == 0:
+        print(f"ringtrain: error: {verdict}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def shutdown():

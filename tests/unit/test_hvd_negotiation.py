@@ -5,12 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from ringtrain.errors import UsageError
-
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
 
 from ringtrain.engine import kernels  # noqa: E402 - after the importorskip above
-from ringtrain.engine.core import stall_times  # noqa: E402
 from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
                                           first_difference, join_blocks, same_value, stall_report, verdict)
 from ringtrain.engine.ops import alltoall_splits  # noqa: E402
@@ -126,18 +123,6 @@ def test_horovods_stall_warning_names_the_missing_ranks_and_marks_those_past_the
     message, shut_down = stall_report(0, MEMBERS, waiting, warn_s=2.0, shutdown_s=5.0)
     assert shut_down and "1!: [allreduce.b]" in message and "Will shutdown" in message
     assert stall_report(0, MEMBERS, waiting[2:], warn_s=2.0, shutdown_s=5.0) == (None, False)
-
-
-def test_stall_variables_parse_as_horovods_and_bad_values_are_one_line_errors(capsys):
-    assert stall_times({}) == (60.0, 0.0)
-    assert stall_times({"HOROVOD_STALL_CHECK_DISABLE": "1"}) == (None, 0.0)
-    assert stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}) \
-        == (2.0, 5.0)
-    assert stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "9", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}) \
-        == (9.0, 0.0)
-    assert "will not shutdown" in capsys.readouterr().err
-    with pytest.raises(UsageError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='soon': must be a number of seconds"):
-        stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "soon"})
 
 
 def test_alltoall_splits_are_checked_on_the_rank_that_passes_them():
