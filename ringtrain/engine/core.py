@@ -79,7 +79,7 @@ from ..failure import describe
 from .channel import PROBE_S, TICK_S, Channel, Entry
 from .errors import HorovodInternalError
 from .handles import Pending
-from .negotiation import Names, op_key
+from .negotiation import Call, Names, Refused, op_key
 
 __all__ = ["Engine", "Entry", "GRACE_S", "HELPER_GRACE_S"]
 
@@ -139,15 +139,15 @@ class Engine:
         (self.channel(set_id) if channel is None else channel).submit(entry)  # (channel() explains a missing one)
         return entry.pending
 
-    def call(self, what, fn, meta=()):
+    def call(self, what, fn, detail=()):
         """Run ``fn(communicator of every rank)`` on every rank, in the same order as every other op of set 0.
 
-        Collective over every rank; returns ``fn``'s result. ``meta`` is what the ranks must agree on.
+        Collective over every rank; returns ``fn``'s result. ``detail`` is what the ranks must agree on.
         """
         from .handles import register, synchronize
 
         key = op_key("call", self.names.next(0, "call"))
-        entry = Entry(key, what, "call", (("kind", "call"), ("what", what), *meta), None, (fn,), Pending())
+        entry = Entry(key, what, "call", Call(what, tuple(detail)), None, (fn,), Pending())
         return synchronize(register(self.submit(0, entry)))
 
     def refuse(self, kind, problem, set_id=0, name=None):
@@ -156,8 +156,7 @@ class Engine:
         The caller then raises ``ValueError(problem)`` on this rank; nothing waits for this op here.
         """
         name = self.names.next(set_id, kind) if name is None else name
-        entry = Entry(op_key(kind, name), f"{kind} {name!r}", kind, (("kind", kind), ("refused", problem)), None,
-                      (), Pending())
+        entry = Entry(op_key(kind, name), f"{kind} {name!r}", kind, Refused(kind, problem), None, (), Pending())
         try:
             self.submit(set_id, entry)
         except (HorovodInternalError, ValueError):

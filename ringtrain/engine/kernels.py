@@ -26,28 +26,15 @@ from ..comm import allreduce_
 from ..comm.state import state_of
 from . import arrays
 from .arrays import RING_DTYPES
+from .negotiation import Grouped
 
-__all__ = ["FUSABLE", "fuse_key", "nbytes", "run", "scatter_rows", "stand_in_args", "split_parts",
+__all__ = ["FUSABLE", "run", "scatter_rows", "stand_in_args", "split_parts",
            "reduce_locally", "take_result", "raw_bytes", "run_local", "GroupResults", "scale_"]
 
 FUSABLE = ("allreduce", "reducescatter")
 _NUMPY_FAST = {"float32": np.float32, "float64": np.float64}
 _COMBINE = {"sum": np.add, "min": np.minimum, "max": np.maximum}  # what a transport's reduce-scatter combines with
 _FAST_OPS = ("sum", "min", "max", "average")
-
-
-def fuse_key(meta):
-    """What reductions fused into one buffer must share: everything but the shape (pure).
-
-    Floats are compared by ``repr``, so NaN factors fuse alike on every rank.
-    """
-    return tuple((f, repr(v) if isinstance(v, float) else v) for f, v in meta if f != "shape")
-
-
-def nbytes(meta):
-    """The size in bytes of the array an op's ``meta`` describes (pure)."""
-    fields = dict(meta)
-    return arrays.nbytes_of(fields["shape"], fields["dtype"])
 
 
 def scatter_rows(rows, size):
@@ -64,39 +51,34 @@ def scatter_rows(rows, size):
     return out
 
 
-def _zeros_of(meta):
-    fields = dict(meta)
-    return arrays.zeros(fields["shape"], fields["dtype"], cuda=fields["device"] == "cuda")
+def _zeros_of(record):
+    return arrays.zeros(record.shape, record.dtype, cuda=record.device == "cuda")
 
 
-def stand_in_args(meta):
+def stand_in_args(record):
     """The arguments a joined rank runs an allreduce with that it did not submit: zeros in, zeros out."""
-    fields = dict(meta)
-    if "parts" in fields:
-        return [(z, z) for z in (_zeros_of(m) for m in fields["parts"])]
-    zeros = _zeros_of(meta)
+    if type(record) is Grouped:
+        return [(z, z) for z in (_zeros_of(part) for part in record.parts)]
+    zeros = _zeros_of(record)
     return (zeros, zeros)
 
 
 def split_parts(decision, args):
-    """A grouped op as one ``(meta, args, infos)`` per array, in order (pure)."""
-    metas = dict(decision.meta)["parts"]
-    return [(meta, a, [info[i] if info is not None else None for info in (decision.infos or [])])
-            for i, (meta, a) in enumerate(zip(metas, args))]
+    """A grouped op as one ``(record, args, infos)`` per array, in order (pure)."""
+    return [(part, a, [info[i] if info is not None else None for info in (decision.infos or [])])
+            for i, (part, a) in enumerate(zip(decision.record.parts, args))]
 
 
-def _fast_plan(meta):
-    """The NumPy dtype of a sum or average without scale factors of float32/float64 (else None), remembered."""
-    found = _PLANS.get(id(meta))
-    if found is not None and found[0] is meta:
-        return found[1]
-    fields = dict(meta)
-    plan = (_NUMPY_FAST.get(fields.get("dtype")) if fields.get("op") in ("sum", "average")
-            and fields.get("prescale") == 1.0 and fields.get("postscale") == 1.0
-            and fields.get("device") == "cpu" else None)
+def _fast_plan(record):
+    """The NumPy dtype of a CPU float32/float64 sum or average without scale factors (else None), remembered."""
+    kept, plan = _PLANS.get(id(record), (None, None))
+    if kept is record:
+        return plan
+    plan = (_NUMPY_FAST.get(record.dtype) if record.op in ("sum", "average") and record.prescale == 1.0
+            and record.postscale == 1.0 and record.device == "cpu" else None)
     if len(_PLANS) >= 1024:
         _PLANS.clear()
-    _PLANS[id(meta)] = (meta, plan)  # the meta is kept alive here, so its id is not reused while remembered
+    _PLANS[id(record)] = (record, plan)  # the record is kept alive here, so its id is not reused while remembered
     return plan
 
 
@@ -110,7 +92,7 @@ def _input(x, name):
     return x.reshape(-1)
 
 
-def reduce_locally(meta, inputs, out):
+def reduce_locally(record, inputs, out):
     """An allreduce computed on this rank from every member's input (arrays, or their raw bytes), into ``out``.
 
     The same arithmetic as the collective path (each input prescaled,
@@ -118,28 +100,27 @@ def reduce_locally(meta, inputs, out):
     sum, or before it in half precision), so every member computing a small
     op itself (:mod:`ringtrain.engine.channel`) gets the same bits.
     """
-    numpy_dtype = _fast_plan(meta)
+    numpy_dtype = _fast_plan(record)
     if numpy_dtype is not None and out.flags.c_contiguous:
-        return _reduce_in_numpy(meta, numpy_dtype, inputs, out)
+        return _reduce_in_numpy(record, numpy_dtype, inputs, out)
     n = len(inputs)
-    fields = dict(meta)
-    op, name = fields["op"], fields["dtype"]
+    op, name = record.op, record.dtype
     average, half = op == "average", name == "float16"
     total = None
     for x in inputs:
         t = arrays.to_work(_input(x, name), name)
-        t = scale_(t, fields["prescale"], n if average and half else 1)
+        t = scale_(t, record.prescale, n if average and half else 1)
         total = t if total is None else _combine(total, t, op)
-    total = scale_(total, fields["postscale"], n if average and not half else 1)
+    total = scale_(total, record.postscale, n if average and not half else 1)
     return arrays.from_work(total, name, out)
 
 
-def _reduce_in_numpy(meta, numpy_dtype, inputs, out):
+def _reduce_in_numpy(record, numpy_dtype, inputs, out):
     """:func:`reduce_locally` of a float32/float64 sum or average without factors, in place in ``out``."""
     total = out.reshape(-1)
     parts = []
     for i, x in enumerate(inputs):
-        a = total if x is out else _input(x, meta[1][1])
+        a = total if x is out else _input(x, record.dtype)
         # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
         parts.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
     n = len(parts)
@@ -149,7 +130,7 @@ def _reduce_in_numpy(meta, numpy_dtype, inputs, out):
         np.add(parts[0], parts[1], out=total)
     for a in parts[2:]:
         total += a
-    if dict(meta)["op"] == "average":
+    if record.op == "average":
         divisor = _DIVISORS.get((numpy_dtype, n))
         if divisor is None:  # a NumPy scalar of the array's dtype: the division stays in that dtype
             divisor = _DIVISORS[(numpy_dtype, n)] = numpy_dtype(n)
@@ -187,19 +168,18 @@ def raw_bytes(array):
     return array.tobytes()
 
 
-def run_local(meta, data, out):
+def run_local(record, data, out):
     """A small op computed on this rank from the data every member sent with its announcement, into ``out``.
 
     ``data`` holds each member's (in member order; None for a rank that
     joined, which adds zeros): an allreduce's inputs, a broadcast's from its
     root; a barrier has none.
     """
-    kind = meta[0][1]
-    if kind == "barrier":
+    if record.kind == "barrier":
         return None
-    if kind == "broadcast":
-        return take_result(out, data[dict(meta)["root"]], dict(meta)["dtype"])
-    return reduce_locally(meta, [_zeros_of(meta) if d is None else d for d in data], out)
+    if record.kind == "broadcast":
+        return take_result(out, data[record.root], record.dtype)
+    return reduce_locally(record, [_zeros_of(record) if d is None else d for d in data], out)
 
 
 class GroupResults:
@@ -297,11 +277,11 @@ def scale_(flat, factor, divisor):
     return flat
 
 
-def _fields(group, comm):
-    fields = dict(group[0][0].meta)
-    if fields["op"] == "adasum":  # every rank reaches this with the same op, so every rank raises
+def _reduction(group, comm):
+    record = group[0][0].record
+    if record.op == "adasum":  # every rank reaches this with the same op, so every rank raises
         raise NotImplementedError("Adasum is not implemented in ringtrain's engine; use op=Average or Sum")
-    return fields, fields["op"] == "average", comm.Get_size()
+    return record, record.op == "average", comm.Get_size()
 
 
 def _allreduce(comm, group):
@@ -309,8 +289,8 @@ def _allreduce(comm, group):
         result = _allreduce_one(comm, *group[0])
         if result is not None:
             return [result]
-    fields, average, size = _fields(group, comm)
-    name = fields["dtype"]
+    record, average, size = _reduction(group, comm)
+    name = record.dtype
     work_name = arrays.work_name(name)
     inputs = [entry.args[0] for _, entry in group]
     out0 = group[0][1].args[1]
@@ -324,9 +304,9 @@ def _allreduce(comm, group):
             arrays.to_work(inputs[0], name)
     # Average divides after the sum, except in half precision, where the sum could overflow first.
     half = work_name == "float16"
-    flat = scale_(flat, fields["prescale"], size if average and half else 1)
-    reduce_(comm, flat, "sum" if average else fields["op"])
-    flat = scale_(flat, fields["postscale"], size if average and not half else 1)
+    flat = scale_(flat, record.prescale, size if average and half else 1)
+    reduce_(comm, flat, "sum" if average else record.op)
+    flat = scale_(flat, record.postscale, size if average and not half else 1)
     results, offset = [], 0
     for (_, entry), t in zip(group, inputs):
         out, n = entry.args[1], t.size
@@ -350,11 +330,11 @@ def _address(a):
 def _allreduce_one(comm, decision, entry):
     """A lone contiguous CPU allreduce of float32/float64 without scale factors: the common small op, in as
     few steps as a direct ``allreduce_`` (None when it is not that case)."""
-    fields = dict(decision.meta)
-    op = fields["op"]
+    record = decision.record
+    op = record.op
     array, out = entry.args
-    if (fields["prescale"] != 1.0 or fields["postscale"] != 1.0 or op not in _FAST_OPS
-            or fields["dtype"] not in _NUMPY_FAST or fields["device"] != "cpu" or not out.flags.c_contiguous):
+    if (record.prescale != 1.0 or record.postscale != 1.0 or op not in _FAST_OPS
+            or record.dtype not in _NUMPY_FAST or record.device != "cpu" or not out.flags.c_contiguous):
         return None
     flat = out.reshape(-1)
     if array is not out:
@@ -376,9 +356,9 @@ def _reducescatter(comm, group):
     chunk is its rows; element types and ops the transports do not take go
     through MPI's ``Reduce_scatter``.
     """
-    fields, average, size = _fields(group, comm)
+    record, average, size = _reduction(group, comm)
     rank = comm.Get_rank()
-    name = fields["dtype"]
+    name = record.dtype
     work_name = arrays.work_name(name)
     inputs = [arrays.host(entry.args[0]) for _, entry in group]
     blocks = [[] for _ in range(size)]
@@ -387,23 +367,23 @@ def _reducescatter(comm, group):
             blocks[r].append(arrays.to_work(t[start:start + count], name, copy=False))
     counts = [sum(b.size for b in bs) for bs in blocks]
     half = work_name == "float16"
-    op = "sum" if average else fields["op"]
+    op = "sum" if average else record.op
     if work_name in RING_DTYPES and op in _COMBINE:
         width = max(counts)  # every rank's block padded to the longest: chunk r is rank r's rows
         send = np.zeros(size * width, dtype=work_name)
         for r, bs in enumerate(blocks):
             if bs:
                 send[r * width:r * width + counts[r]] = np.concatenate(bs)
-        send = scale_(send, fields["prescale"], size if average and half else 1)
+        send = scale_(send, record.prescale, size if average and half else 1)
         state_of(comm).transport_for("auto", send.nbytes).reduce_scatter(send, _COMBINE[op])
         mine = send[rank * width:rank * width + counts[rank]]
     else:
         send = np.concatenate([b for bs in blocks for b in bs]).astype(np.float32 if half else work_name)
-        send = scale_(send, fields["prescale"], size if average and half else 1)
+        send = scale_(send, record.prescale, size if average and half else 1)
         mine = np.empty(counts[rank], dtype=send.dtype)
         comm.Reduce_scatter(send, mine, counts, op=_mpi_op(op, send.dtype.name))
         mine = mine.astype(work_name, copy=False)
-    mine = scale_(mine, fields["postscale"], size if average and not half else 1)
+    mine = scale_(mine, record.postscale, size if average and not half else 1)
     results, offset = [], 0
     for (_, entry), t in zip(group, inputs):
         start, count = scatter_rows(t.shape[0], size)[rank]
@@ -430,7 +410,7 @@ def _allgather(comm, group):
 def _broadcast(comm, group):
     (op, entry), = group
     array, out = entry.args
-    root = dict(op.meta)["root"]
+    root = op.record.root
     if comm.Get_rank() == root and not _same_memory(out, array):
         out[...] = array
     on_host = not arrays.is_cuda(out) and out.flags.c_contiguous

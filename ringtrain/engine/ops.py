@@ -1,8 +1,8 @@
 """Submitting ops over arrays: the collectives every face calls, ``join``, ``barrier``, handles and the timeline.
 
 Each function checks its arguments on this rank, describes the op for the
-other members (``meta``: what they must agree on; ``info``: what may
-differ), submits it to the engine (:mod:`ringtrain.engine.core`, whose
+other members (its record, :mod:`ringtrain.engine.negotiation`: what they
+must agree on; ``info``: what may differ), submits it to the engine (:mod:`ringtrain.engine.core`, whose
 docstring is the contract: which calls are collective, in what order,
 what fails how) and returns a handle; :func:`synchronize` returns its
 output. An argument this rank refuses raises ``ValueError`` here, and the
@@ -20,7 +20,8 @@ says a 16-bit integer array holds bfloat16 bits (NumPy has no bfloat16).
 from . import arrays, handles, runtime
 from .channel import Entry
 from .handles import poll, synchronize
-from .negotiation import JOIN, op_key
+from .negotiation import (JOIN, Allgather, Allreduce, Alltoall, Barrier, Broadcast, Grouped, Join, Reducescatter,
+                          op_key)
 from .process_sets import global_process_set
 from .reduce_ops import Average, op_name
 
@@ -28,9 +29,9 @@ __all__ = ["allreduce_async", "grouped_allreduce_async", "allgather_async", "gro
            "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "barrier",
            "join", "poll", "synchronize", "refused", "alltoall_splits", "start_timeline", "stop_timeline"]
 
-# An allreduce or broadcast of these kinds up to RINGTRAIN_HVD_LOCAL_BYTES travels with its announcements
-# and is computed on every rank.
-LOCAL_KINDS = ("allreduce", "broadcast")  # the kinds whose small CPU ops go with their announcements
+# An allreduce or broadcast up to RINGTRAIN_HVD_LOCAL_BYTES of CPU data travels with its announcements and is
+# computed on every rank.
+_LOCAL = (Allreduce, Broadcast)
 
 
 def _set_id(process_set, who):
@@ -60,7 +61,7 @@ def refused(kind, problem, name=None, process_set=global_process_set):
 def submit(kind, name, process_set, describe, finish=None, exact=False):
     """Submit one op; return its handle.
 
-    ``describe()`` returns ``(meta, info, args)``, or raises ValueError for
+    ``describe()`` returns ``(record, info, args)``, or raises ValueError for
     an argument this rank refuses: the set's members are then told, so they
     fail the op too. ``name`` is the user's (None: ``noname.<n>``); the op is
     matched by ``"<kind>.<name>"`` unless ``exact``.
@@ -69,7 +70,7 @@ def submit(kind, name, process_set, describe, finish=None, exact=False):
     set_id = _set_id(process_set, kind)
     name = engine.names.next(set_id, kind) if name is None else str(name)
     try:
-        meta, info, args = describe()
+        record, info, args = describe()
     except ValueError as exc:
         engine.refuse(kind, str(exc), set_id, name)
         raise ValueError(str(exc)) from None
@@ -79,9 +80,9 @@ def submit(kind, name, process_set, describe, finish=None, exact=False):
         first = args[0]
         if not isinstance(first, (list, tuple)) and arrays.is_cuda(first):
             arrays.synchronize(first)  # another thread (the channel's) may read the array next
-        elif kind in LOCAL_KINDS and len(meta) > 3 and meta[3][1] != "adasum":  # (a grouped meta has 2 fields)
+        elif type(record) in _LOCAL and getattr(record, "op", None) != "adasum":
             local = 0 < first.nbytes <= engine.settings.local_bytes
-    pending = engine.submit(set_id, Entry(key, (name, set_id), kind, meta, info, args, handles.Pending(finish),
+    pending = engine.submit(set_id, Entry(key, (name, set_id), kind, record, info, args, handles.Pending(finish),
                                           local))
     return handles.register(pending)
 
@@ -108,22 +109,25 @@ def _out(array, out, who):
     return out
 
 
-_METAS = {}  # what a reduction is announced with, one tuple per distinct op (cheap to build, compare and send)
+_RECORDS = {}  # what a reduction is announced with, one record per distinct op (cheap to build, compare and send)
+_REDUCTIONS = {"allreduce": Allreduce, "reducescatter": Reducescatter}
 
 
-def _reduce_meta(kind, array, dtype, op, prescale_factor, postscale_factor):
+def _device(array):
+    return "cuda" if arrays.is_cuda(array) else "cpu"
+
+
+def _reduction(kind, array, dtype, op, prescale_factor, postscale_factor):
     name = _checked(array, kind, dtype)
-    cuda = arrays.is_cuda(array)
-    key = (kind, name, array.shape, op, prescale_factor, postscale_factor, cuda)
-    meta = _METAS.get(key)
-    if meta is None:
-        meta = (("kind", kind), ("dtype", name), ("shape", tuple(array.shape)), ("op", op_name(op)),
-                ("prescale", float(prescale_factor)), ("postscale", float(postscale_factor)),
-                ("device", "cuda" if cuda else "cpu"))
-        if len(_METAS) > 4096:  # a program of ever-new shapes must not grow this without bound
-            _METAS.clear()
-        _METAS[key] = meta
-    return meta
+    key = (kind, name, array.shape, op, prescale_factor, postscale_factor, arrays.is_cuda(array))
+    record = _RECORDS.get(key)
+    if record is None:
+        record = _REDUCTIONS[kind](name, tuple(array.shape), op_name(op), float(prescale_factor),
+                                   float(postscale_factor), _device(array))
+        if len(_RECORDS) > 4096:  # a program of ever-new shapes must not grow this without bound
+            _RECORDS.clear()
+        _RECORDS[key] = record
+    return record
 
 
 def _each(values, n, what):
@@ -141,17 +145,15 @@ def _group(kind, describe_one, items):
     def describe():
         if not items:
             raise ValueError(f"grouped_{kind}: the list of arrays is empty")
-        parts = [describe_one(*item) for item in items]
-        infos = tuple(p[1] for p in parts)
-        return ((("kind", kind), ("parts", tuple(p[0] for p in parts))), infos if any(i is not None for i in infos)
-                else None, [p[2] for p in parts])
+        records, infos, args = zip(*(describe_one(*item) for item in items))
+        return Grouped(kind, records), infos if any(i is not None for i in infos) else None, list(args)
     return describe
 
 
 def _allreduce_one(op, prescale_factor, postscale_factor):
     def describe(array, out, dtype):
-        meta = _reduce_meta("allreduce", array, dtype, op, prescale_factor, postscale_factor)
-        return meta, None, (array, _out(array, out, "allreduce"))
+        record = _reduction("allreduce", array, dtype, op, prescale_factor, postscale_factor)
+        return record, None, (array, _out(array, out, "allreduce"))
     return describe
 
 
@@ -181,10 +183,8 @@ def grouped_allreduce_async(arrays_, name=None, op=Average, prescale_factor=1.0,
 
 
 def _allgather_one(array, dtype):
-    name = _checked(array, "allgather", dtype)
-    meta = (("kind", "allgather"), ("dtype", name), ("trailing shape", tuple(array.shape[1:])),
-            ("device", "cuda" if arrays.is_cuda(array) else "cpu"))
-    return meta, array.shape[0] if array.ndim else 1, (array,)
+    record = Allgather(_checked(array, "allgather", dtype), tuple(array.shape[1:]), _device(array))
+    return record, array.shape[0] if array.ndim else 1, (array,)
 
 
 def allgather_async(array, name=None, process_set=global_process_set, dtype=None, finish=None):
@@ -219,9 +219,8 @@ def broadcast_async(array, root_rank, name=None, process_set=global_process_set,
     def describe():
         element = _checked(array, "broadcast", dtype)
         root = _root_in_set(root_rank, process_set, "broadcast")
-        meta = (("kind", "broadcast"), ("dtype", element), ("shape", tuple(array.shape)), ("root", root),
-                ("device", "cuda" if arrays.is_cuda(array) else "cpu"))
-        return meta, None, (array, _out(array, out, "broadcast"))
+        record = Broadcast(element, tuple(array.shape), root, _device(array))
+        return record, None, (array, _out(array, out, "broadcast"))
     return submit("broadcast", name, process_set, describe, finish)
 
 
@@ -256,18 +255,16 @@ def alltoall_async(array, splits=None, name=None, process_set=global_process_set
         element = _checked(array, "alltoall", dtype)
         ps = global_process_set if process_set is None else process_set
         sent = alltoall_splits(array.shape[0] if array.ndim else 0, splits, len(ps.ranks))
-        meta = (("kind", "alltoall"), ("dtype", element), ("trailing shape", tuple(array.shape[1:])),
-                ("device", "cuda" if arrays.is_cuda(array) else "cpu"))
-        return meta, sent, (array,)
+        return Alltoall(element, tuple(array.shape[1:]), _device(array)), sent, (array,)
     return submit("alltoall", name, process_set, describe, finish)
 
 
 def _reducescatter_one(op, prescale_factor, postscale_factor):
     def describe(array, dtype):
-        meta = _reduce_meta("reducescatter", array, dtype, op, prescale_factor, postscale_factor)
+        record = _reduction("reducescatter", array, dtype, op, prescale_factor, postscale_factor)
         if array.ndim == 0:
             raise ValueError("reducescatter: a 0-dim tensor has no rows to scatter; reshape it to (1,) or more")
-        return meta, None, (array,)
+        return record, None, (array,)
     return describe
 
 
@@ -296,12 +293,15 @@ def join():
     returns the rank that joined last, the same on every rank. While a rank
     is joined, ops other than allreduce fail on the ranks that submit them.
     """
-    return synchronize(submit("join", JOIN, None, lambda: ((("kind", "join"),), None, ()), exact=True))
+    return synchronize(submit("join", JOIN, None, lambda: (_JOIN, None, ()), exact=True))
 
 
 def barrier(process_set=global_process_set):
     """Wait until every rank of the process set has reached the barrier (collective over the set)."""
-    synchronize(submit("barrier", None, process_set, lambda: ((("kind", "barrier"),), None, ())))
+    synchronize(submit("barrier", None, process_set, lambda: (_BARRIER, None, ())))
+
+
+_JOIN, _BARRIER = Join(), Barrier()
 
 
 def start_timeline(file_path, mark_cycles=False):

@@ -133,7 +133,7 @@ class ProcessSets:
             self.sets[set_id] = ps
             return ps
 
-        return self.engine.call("add_process_set", make, meta=(("ranks", ranks),))
+        return self.engine.call("add_process_set", make, detail=ranks)
 
     def _problem(self, ps):
         if ps.process_set_id is not None:
@@ -165,7 +165,7 @@ class ProcessSets:
             ps.process_set_id, ps.registry = None, None
             return True
 
-        return self.engine.call("remove_process_set", drop, meta=(("id", set_id),))
+        return self.engine.call("remove_process_set", drop, detail=(set_id,))
 
     def communicator(self, ps):
         """The communicator Horovod's helpers run over for ``ps`` (made on first use: collective over its ranks)."""

@@ -8,8 +8,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
 
 from ringtrain.engine import kernels  # noqa: E402 - after the importorskip above
-from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
-                                          first_difference, join_blocks, same_value, stall_report, verdict)
+from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Allgather, Allreduce, Alltoall,  # noqa: E402
+                                          Announcement, Barrier, Board, Broadcast, Grouped, Names, Reducescatter,
+                                          Refused, conflicts, first_difference, join_blocks, same_value,
+                                          stall_report, verdict)
 from ringtrain.engine.ops import alltoall_splits  # noqa: E402
 from ringtrain.torch.tensors import array_of, check_tensor, dtype_name, tensor_of  # noqa: E402
 
@@ -17,12 +19,11 @@ MEMBERS = (0, 1, 2)
 
 
 def reduction(shape=(4,), dtype="float32", op="sum", prescale=1.0, kind="allreduce"):
-    return (("kind", kind), ("dtype", dtype), ("shape", shape), ("op", op), ("prescale", prescale),
-            ("postscale", 1.0), ("device", "cpu"))
+    return {"allreduce": Allreduce, "reducescatter": Reducescatter}[kind](dtype, shape, op, prescale, 1.0, "cpu")
 
 
-def announced(*metas, data=None):
-    return {r: (m, None, data) for r, m in zip(MEMBERS, metas)}
+def announced(*records, data=None):
+    return {r: Announcement(m, None, data) for r, m in zip(MEMBERS, records)}
 
 
 def test_every_rank_reaches_the_same_verdict_and_the_first_field_that_differs_is_named():
@@ -47,18 +48,18 @@ def test_small_ops_whose_data_came_with_them_are_computed_on_the_spot_and_the_re
     meta = reduction()
     assert verdict("allreduce.x", MEMBERS, announced(meta, meta, meta, data=b"1234")).action == LOCAL
     assert verdict("allreduce.x", MEMBERS, announced(meta, meta, meta)).action == ORDERED
-    barrier = (("kind", "barrier"),)
+    barrier = Barrier()
     assert verdict("barrier.b", MEMBERS, announced(barrier, barrier, barrier)).action == LOCAL
-    bcast = (("kind", "broadcast"), ("dtype", "float32"), ("shape", (2,)), ("root", 2), ("device", "cpu"))
+    bcast = Broadcast("float32", (2,), 2, "cpu")
     by_rank = announced(bcast, bcast, bcast)
     assert verdict("broadcast.b", MEMBERS, by_rank).action == ORDERED
-    by_rank[2] = (bcast, None, b"12345678")  # the root's data came with its announcement
+    by_rank[2] = Announcement(bcast, None, b"12345678")  # the root's data came with its announcement
     assert verdict("broadcast.b", MEMBERS, by_rank).action == LOCAL
 
 
 def test_a_refusal_and_a_joined_rank_decide_the_verdict_for_everyone():
-    refused = (("kind", "alltoall"), ("refused", "alltoall: splits must hold 3 counts"))
-    meta = (("kind", "alltoall"), ("dtype", "float32"), ("trailing shape", ()), ("device", "cpu"))
+    refused = Refused("alltoall", "alltoall: splits must hold 3 counts")
+    meta = Alltoall("float32", (), "cpu")
     v = verdict("alltoall.x", MEMBERS, announced(meta, refused, meta))
     assert v.action == FAIL and v.error == "alltoall 'x': rank 1 refused it: alltoall: splits must hold 3 counts"
     v = verdict("allreduce.x", MEMBERS, announced(reduction(), JOINED, reduction(), data=b"data"))
@@ -68,10 +69,10 @@ def test_a_refusal_and_a_joined_rank_decide_the_verdict_for_everyone():
 
 
 def test_grouped_ops_differ_by_length_then_by_tensor():
-    one = (("kind", "allreduce"), ("parts", (reduction(), reduction())))
-    three = (("kind", "allreduce"), ("parts", (reduction(), reduction(), reduction())))
+    one = Grouped("allreduce", (reduction(), reduction()))
+    three = Grouped("allreduce", (reduction(), reduction(), reduction()))
     assert first_difference([one, three]) == "grouped length: 2 and 3"
-    other = (("kind", "allreduce"), ("parts", (reduction(), reduction(shape=(9,)))))
+    other = Grouped("allreduce", (reduction(), reduction(shape=(9,))))
     assert first_difference([one, other]) == "tensor 1 shape: (4,) and (9,)"
 
 
@@ -109,11 +110,11 @@ def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
 
 
 def test_only_allreduces_wait_for_a_rank_that_has_joined():
-    gather = (("kind", "allgather"),)
-    assert join_blocks("allgather.x", [1], {0: (gather, None, None)}) == [1]  # rank 1 never will
-    assert join_blocks("allgather.x", [1], {0: (gather, None, None), 1: (gather, None, None)}) is None
-    assert join_blocks("allreduce.x", [1], {0: (reduction(), None, None)}) is None  # rank 1 adds zeros
-    assert join_blocks("allgather.x", [], {0: (gather, None, None)}) is None
+    gather = Announcement(Allgather("float32", (), "cpu"))
+    assert join_blocks("allgather.x", [1], {0: gather}) == [1]  # rank 1 never will
+    assert join_blocks("allgather.x", [1], {0: gather, 1: gather}) is None
+    assert join_blocks("allreduce.x", [1], {0: Announcement(reduction())}) is None  # rank 1 adds zeros
+    assert join_blocks("allgather.x", [], {0: gather}) is None
 
 
 def test_horovods_stall_warning_names_the_missing_ranks_and_marks_those_past_the_shutdown_time():
@@ -184,5 +185,5 @@ def test_the_fast_sum_gives_the_bits_of_summing_in_member_order():
 
 
 def test_fusion_keys_treat_nan_factors_alike():
-    assert kernels.fuse_key(reduction(prescale=float("nan"))) == kernels.fuse_key(reduction(prescale=math.nan))
-    assert kernels.fuse_key(reduction(shape=(3,))) == kernels.fuse_key(reduction(shape=(9,)))
+    assert reduction(prescale=float("nan")).fuse_key() == reduction(prescale=math.nan).fuse_key()
+    assert reduction(shape=(3,)).fuse_key() == reduction(shape=(9,)).fuse_key()
