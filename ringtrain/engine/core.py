@@ -6,8 +6,10 @@ The contract.
   ``broadcast``, ``alltoall``, ``reducescatter``, ``barrier``, their
   async and grouped forms) is collective over its process set: every
   member must submit an op of the same name (unnamed ops are named
-  ``noname.<n>`` by a counter per process set and kind, so ranks making the
-  same unnamed calls in the same order match). ``join`` is collective over
+  ``noname.<n>`` by a counter per process set, kind and thread, so ranks
+  making the same unnamed calls in the same order on the same thread
+  match, and two threads' unnamed ops never pair: :class:`Names
+  <ringtrain.engine.negotiation.Names>`). ``join`` is collective over
   every rank; so are ``init``, ``shutdown``, ``add_process_set``,
   ``remove_process_set`` and ``stop_timeline``, in the same order everywhere.
 * **Ordering.** Within a process set, ranks may submit named ops in any
@@ -79,7 +81,7 @@ from ..failure import describe
 from .channel import PROBE_S, TICK_S, Channel, Entry
 from .errors import HorovodInternalError
 from .handles import Pending
-from .negotiation import Call, Names, Refused, op_key
+from .negotiation import Call, Names, Refused, op_key, thread_label
 
 __all__ = ["Engine", "Entry", "GRACE_S", "HELPER_GRACE_S"]
 
@@ -155,7 +157,7 @@ class Engine:
 
         The caller then raises ``ValueError(problem)`` on this rank; nothing waits for this op here.
         """
-        name = self.names.next(set_id, kind) if name is None else name
+        name = self.names.next(set_id, kind, thread_label(threading.current_thread())) if name is None else name
         entry = Entry(op_key(kind, name), f"{kind} {name!r}", kind, Refused(kind, problem), None, (), Pending())
         try:
             self.submit(set_id, entry)

@@ -20,18 +20,20 @@ op, :func:`verdict` says, the same on every rank, what becomes of it:
 
 Names are per kind, as in Horovod (an allreduce and a broadcast may share
 one): the key of an op is ``"<kind>.<name>"``; unnamed ops are named
-``noname.<n>`` by a counter per process set and kind (:class:`Names`), so
-ranks making the same unnamed calls in the same order match.
+``noname.<n>`` by a counter per process set, kind and thread
+(:class:`Names`), so ranks making the same unnamed calls in the same order
+on the same thread match, and two threads' unnamed ops never pair.
 """
 
 import dataclasses
 import math
+import threading
 import typing
 
 __all__ = ["Allreduce", "Reducescatter", "Allgather", "Alltoall", "Broadcast", "Barrier", "Join", "Joined",
-           "Refused", "Grouped", "Call", "Announcement", "Verdict", "Board", "Names", "verdict", "first_difference",
-           "same_value", "op_key", "user_name", "join_blocks", "conflicts", "stall_report", "JOIN", "JOINED",
-           "FAIL", "LOCAL", "ORDERED"]
+           "Refused", "Grouped", "Call", "Announcement", "Verdict", "Board", "Names", "thread_label", "verdict",
+           "first_difference", "same_value", "op_key", "user_name", "join_blocks", "conflicts", "stall_report",
+           "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
 
 FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
 
@@ -177,15 +179,39 @@ def user_name(key):
 
 
 class Names:
-    """Names for unnamed ops: ``noname.<n>``, counted per process set and kind."""
+    """Names for unnamed ops, counted per process set, kind and submitting thread.
+
+    Unnamed ops match by the order in which they are submitted, which
+    only one thread can fix: two threads that submit in one order on one
+    rank and in another on the next would pair one thread's op with the
+    other's, silently, if the shapes agree. So each thread's unnamed ops
+    are named apart: ``noname.<n>`` for the main thread (Horovod's names),
+    ``noname.<thread name>.<n>`` for another; threads the interpreter did
+    not start (a framework's autograd workers) share ``noname.foreign.<n>``.
+    A thread's ops then pair only with those of the thread of the same name
+    on the other ranks (threads started in the same order get the same
+    names); one that has no counterpart is reported by the stall inspector
+    and fails at ringtrain's bound, like any op a rank never submits.
+    """
 
     def __init__(self):
         self._counts = {}
 
-    def next(self, process_set, kind):
-        n = self._counts.get((process_set, kind), 0)
-        self._counts[(process_set, kind)] = n + 1
-        return f"noname.{n}"
+    def next(self, process_set, kind, thread=None):
+        """The next name for an unnamed op; ``thread`` is :func:`thread_label`'s (None: the main thread's)."""
+        key = (process_set, kind, thread)
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        return f"noname.{n}" if thread is None else f"noname.{thread}.{n}"
+
+
+def thread_label(thread):
+    """What names the unnamed ops of ``thread`` apart (None for the main thread) (pure)."""
+    if thread is threading.main_thread():
+        return None
+    if isinstance(thread, threading._DummyThread):  # started outside the interpreter: no name of its own
+        return "foreign"
+    return thread.name
 
 
 def same_value(a, b):

@@ -17,11 +17,13 @@ thread (to hand back the face's tensor, for example). ``dtype="bfloat16"``
 says a 16-bit integer array holds bfloat16 bits (NumPy has no bfloat16).
 """
 
+from threading import current_thread
+
 from . import arrays, handles, runtime
 from .channel import Entry
 from .handles import poll, synchronize
 from .negotiation import (JOIN, Allgather, Allreduce, Alltoall, Barrier, Broadcast, Grouped, Join, Reducescatter,
-                          op_key)
+                          op_key, thread_label)
 from .process_sets import global_process_set
 from .reduce_ops import Average, op_name
 
@@ -68,7 +70,10 @@ def submit(kind, name, process_set, describe, finish=None, exact=False):
     """
     engine = runtime.current().engine
     set_id = _set_id(process_set, kind)
-    name = engine.names.next(set_id, kind) if name is None else str(name)
+    if name is None:
+        name = engine.names.next(set_id, kind, thread_label(current_thread()))
+    else:
+        name = str(name)
     try:
         record, info, args = describe()
     except ValueError as exc:

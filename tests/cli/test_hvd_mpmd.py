@@ -55,3 +55,15 @@ def test_a_bad_engine_setting_on_one_rank_ends_every_rank_at_init_with_one_line_
     assert lines == ["ringtrain: error: rank 1: HOROVOD_FUSION_THRESHOLD='64MB': must be a whole number of bytes "
                      ">= 0; unset it for the default"], show(result)
     assert "started" not in result.stdout, show(result)
+
+
+def test_unnamed_ops_of_two_threads_pair_thread_by_thread_whatever_order_the_ranks_submit_them_in():
+    # Rank a's main thread submits first, rank b's worker does: matched by submission order alone, each
+    # rank's first op would meet the other thread's (1 + 100), and neither rank could tell.
+    program = os.path.join(ROOT, "tests", "cli", "programs", "hvd_threads.py")
+    command = [find_mpirun(), "-np", "1", sys.executable, program, "a", ":", "-np", "1", sys.executable, program, "b"]
+    result = run(command, timeout=120, env=mpirun.test_env())
+    assert result.returncode == 0, show(result)
+    found = sorted(re.findall(r"rank (\d): (main|worker) ([0-9.]+)", result.stdout))
+    assert found == [("0", "main", "2.0"), ("0", "worker", "200.0"), ("1", "main", "2.0"), ("1", "worker", "200.0")], \
+        show(result)

@@ -1,6 +1,7 @@
 """The pure parts of ringtrain's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from ringtrain.engine import kernels  # noqa: E402 - after the importorskip abov
 from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Allgather, Allreduce, Alltoall,  # noqa: E402
                                           Announcement, Barrier, Board, Broadcast, Grouped, Names, Reducescatter,
                                           Refused, conflicts, first_difference, join_blocks, same_value,
-                                          stall_report, verdict)
+                                          stall_report, thread_label, verdict)
 from ringtrain.engine.ops import alltoall_splits  # noqa: E402
 from ringtrain.torch.tensors import array_of, check_tensor, dtype_name, tensor_of  # noqa: E402
 
@@ -93,6 +94,23 @@ def test_unnamed_ops_are_counted_per_process_set_and_kind():
     names = Names()
     assert [names.next(0, "allreduce"), names.next(0, "allreduce"), names.next(1, "allreduce"),
             names.next(0, "broadcast")] == ["noname.0", "noname.1", "noname.0", "noname.0"]
+
+
+def test_each_threads_unnamed_ops_are_named_apart_so_two_threads_never_pair():
+    names = Names()
+    seen = {}
+
+    def submit():
+        label = thread_label(threading.current_thread())
+        seen[label] = [names.next(0, "allreduce", label) for _ in range(2)]
+
+    for name in ("loader", "trainer"):
+        t = threading.Thread(target=submit, name=name)
+        t.start()
+        t.join()
+    assert thread_label(threading.main_thread()) is None and names.next(0, "allreduce") == "noname.0"
+    assert seen == {"loader": ["noname.loader.0", "noname.loader.1"],
+                    "trainer": ["noname.trainer.0", "noname.trainer.1"]}
 
 
 def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_conflict_once_it_lingers():
