@@ -19,7 +19,7 @@ from ..engine import ops
 from ..engine.ops import alltoall_splits, barrier, join as _engine_join, start_timeline, stop_timeline
 from ..engine.process_sets import global_process_set
 from ..engine.reduce_ops import Average, Sum
-from .tensors import array_of, check_tensor, sync, tensor_of
+from .tensors import array_of, check_tensor, engine_view, tensor_of
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
@@ -39,13 +39,16 @@ def resolve_op(op, average):
 
 def _views(kind, tensors, name, process_set):
     """``(arrays, dtypes)`` of ``tensors`` for the engine; a tensor no op takes is refused on every member."""
-    for t in tensors:
-        problem = check_tensor(t, kind)
-        if problem is not None:
-            raise ops.refused(kind, problem, name, process_set) from None
-    sync(tensors)
-    views = [array_of(t) for t in tensors]
+    views = [_view(kind, t, name, process_set) for t in tensors]
     return [v[0] for v in views], [v[1] for v in views]
+
+
+def _view(kind, tensor, name, process_set):
+    """``(array, dtype)`` of one tensor for the engine (:func:`~ringtrain.torch.tensors.engine_view`), checked."""
+    problem = check_tensor(tensor, kind)
+    if problem is not None:
+        raise ops.refused(kind, problem, name, process_set) from None
+    return engine_view(tensor)
 
 
 def _new_like(tensor):
@@ -56,7 +59,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     process_set=global_process_set):
     """Start reducing ``tensor`` across the set's ranks into a new tensor; return a handle."""
     op = resolve_op(op, average)
-    (array,), (dtype,) = _views("allreduce", [tensor], name, process_set)
+    array, dtype = _view("allreduce", tensor, name, process_set)
     result = _new_like(tensor)
     out, _ = array_of(result)
     return ops.allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out=out, dtype=dtype,
@@ -67,7 +70,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=global_process_set):
     """Start reducing ``tensor`` in place; return a handle."""
     op = resolve_op(op, average)
-    (array,), (dtype,) = _views("allreduce", [tensor], name, process_set)
+    array, dtype = _view("allreduce", tensor, name, process_set)
     return ops.allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out=array,
                                dtype=dtype, finish=lambda _: tensor)
 
@@ -96,7 +99,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` on the first dimension (which may differ); return a handle."""
-    (array,), (dtype,) = _views("allgather", [tensor], name, process_set)
+    array, dtype = _view("allgather", tensor, name, process_set)
     return ops.allgather_async(array, name, process_set, dtype=dtype, finish=lambda a: tensor_of(a, dtype))
 
 
@@ -108,7 +111,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 
 
 def _broadcast(tensor, root_rank, name, process_set, in_place):
-    (array,), (dtype,) = _views("broadcast", [tensor], name, process_set)
+    array, dtype = _view("broadcast", tensor, name, process_set)
     result = tensor if in_place else _new_like(tensor)
     out = array if in_place else array_of(result)[0]
     return ops.broadcast_async(array, root_rank, name, process_set, out=out, dtype=dtype, finish=lambda _: result)
@@ -126,7 +129,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start sending ``splits[r]`` rows to each rank ``r``; ``synchronize`` gives (output, received splits)."""
-    (array,), (dtype,) = _views("alltoall", [tensor], name, process_set)
+    array, dtype = _view("alltoall", tensor, name, process_set)
     if isinstance(splits, torch.Tensor):
         if splits.dtype != torch.int32:
             raise ops.refused("alltoall", f"alltoall: splits must be an int32 tensor, got "
@@ -142,7 +145,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
     """Start reducing ``tensor`` and giving each rank its block of rows (the first ranks one more); return a handle."""
-    (array,), (dtype,) = _views("reducescatter", [tensor], name, process_set)
+    array, dtype = _view("reducescatter", tensor, name, process_set)
     return ops.reducescatter_async(array, name, op, process_set, prescale_factor, postscale_factor, dtype=dtype,
                                    finish=lambda a: tensor_of(a, dtype))
 
