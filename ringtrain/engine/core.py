@@ -78,7 +78,8 @@ import time
 
 from ..comm.guard import HINT, get_timeout
 from ..failure import describe
-from .channel import PROBE_S, TICK_S, Channel, Entry
+from .channel import Channel
+from .protocol import PROBE_S, TICK_S, Entry
 from .errors import HorovodInternalError
 from .handles import Pending
 from .negotiation import Call, Names, Refused, op_key, thread_label

@@ -1,0 +1,537 @@
+"""The protocol one process set's members speak: announce, hear, join, order, fuse, run, close, inspect.
+
+Only the thread that drives a set's channel (:mod:`ringtrain.engine.channel`:
+the caller's own, inside ``synchronize``, or the channel's thread) runs a
+:class:`Protocol`, so nothing here takes a lock: the state below is the
+driver's alone. It talks only to the set's members, over two communicators
+of its own: ``control`` for the messages below, ``data`` for the
+collectives themselves. So a set's ops complete as soon as its members have
+submitted them, whatever ranks outside the set are doing.
+
+The messages (:mod:`ringtrain.engine.negotiation` holds the rules; one tag,
+and MPI keeps each sender's messages in order)::
+
+    every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]))
+    leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
+                                                                                 (FAIL: (mismatch, why))
+    leader -> every member         ("c", reason)                                closed: fail the rest
+    member -> leader               ("k", rank)                                  closed here too (removal)
+
+Every member hears every announcement, so once a member has heard an op
+from every member it knows, as every other member does, whether the op
+fails (the ranks disagree), is computed on the spot (a small allreduce,
+broadcast or barrier whose data came with the announcements: one message
+each way, no collective), or is a collective, which runs in the order the
+leader (the set's lowest rank) sends: ranks may submit ops in different
+orders, and one thread running blocking collectives must run them in the
+same order as its peers. A member sends each distinct op record once and
+then only its id, so an op the ranks have run before costs a few dozen
+bytes per member (Horovod's response cache does the same with a bit).
+"""
+
+import collections
+import sys
+import time
+import typing
+
+from . import kernels
+from .errors import CollectiveMismatchError, HorovodInternalError
+from .handles import Pending
+from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, stall_report,
+                          user_name, verdict)
+
+__all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
+
+TAG = 7
+RUN = "run"
+TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
+PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
+
+
+class Entry:
+    """One submitted op: its key, what is announced (its ``record``, ``info``) and what the kernel needs.
+
+    ``where`` is what errors name it by (a string, or ``(name, process set)``
+    made into one only when needed); ``local`` marks an op small enough for
+    its data to go with its announcement.
+    """
+
+    __slots__ = ("key", "where", "kind", "record", "info", "args", "pending", "submitted", "local")
+
+    def __init__(self, key, where, kind, record, info, args, pending, local=False):
+        self.key, self.where, self.kind = key, where, kind
+        self.record, self.info, self.args, self.pending = record, info, args, pending
+        self.submitted = time.monotonic()
+        self.local = local
+
+    @property
+    def label(self):
+        """How errors name the op: ``allreduce 'loss'``, ``... on process set 2``."""
+        if isinstance(self.where, str):
+            return self.where
+        name, set_id = self.where
+        return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
+
+
+class Decision(typing.NamedTuple):
+    """An ordered op as its kernel sees it: the agreed record and every member's ``info``, in member order."""
+
+    name: str
+    record: object
+    infos: list
+
+
+class Protocol:
+    """One process set's announcements, board, order and runs on this rank: the driving thread's alone.
+
+    Args:
+        channel: the set's :class:`~ringtrain.engine.channel.Channel`: the queue it takes submitted ops
+            from, the names in flight it frees, whether the set is closing, and where it says it has closed.
+        engine: the :class:`~ringtrain.engine.core.Engine` (its rank, settings, reports, timeline).
+        set_id: the process set's id.
+        ranks: the set's ranks (of the runtime's communicator), in order.
+        data, control: communicators over ``ranks``, in that order.
+    """
+
+    def __init__(self, channel, engine, set_id, ranks, data, control):
+        from mpi4py import MPI
+
+        self.channel, self.engine, self.set_id, self.ranks = channel, engine, set_id, tuple(ranks)
+        self.data, self.control = data, control
+        self.rank = engine.rank
+        self.leader = self.ranks[0]
+        self.is_leader = self.rank == self.leader
+        self._others = [r for r in self.ranks if r != self.rank]
+        self._index = {r: i for i, r in enumerate(self.ranks)}
+        self._any_source = MPI.ANY_SOURCE
+        self._mine = {}                        # key -> this rank's entry, announced, not yet run
+        self._board = Board(self.ranks)
+        self._ordered = collections.deque()    # (batch, key, RUN or FAIL, payload): the leader's order
+        self._batch = 0
+        self._answers = []                     # JOINED answers to send with the next announcements
+        self._join_order = []                  # leader: ranks in the order their JOIN arrived
+        self._to_order = []                    # leader: collectives heard complete, to order in one batch
+        self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
+        self._sends = []
+        self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
+        self._next_record_id = 0
+        self._records = {}                     # rank -> {id: record}
+        self._leader_closed = None
+        self._told = False                     # the closing word is sent (leader) or answered (member)
+        self._acks = set()
+        self._inspected = 0.0
+        self._last_warning = 0.0
+        self._fusion_bytes = engine.settings.fusion_bytes
+
+    def busy(self):
+        """Whether ops are announced here and not yet run (read from any thread: a hint, not a promise)."""
+        return bool(self._mine or self._ordered)
+
+    def in_flight(self, now):
+        """``[(entry, missing ranks)]`` of this rank's announced ops (for the engine's watch: reads copies)."""
+        waiting = {key: missing for key, _, missing in self._board.waiting(now)}
+        return [(e, waiting.get(e.key, [])) for e in list(self._mine.values())]
+
+    def step(self, now, done=None):
+        """One round of work: announce, read mail (until ``done()``), order (leader), run. True if anything moved."""
+        moved = False
+        new = self.channel.take_queue()
+        if new:
+            self._announce(new, now)
+            moved = True
+        closing = self.channel.closing_reason()
+        if self._others:
+            moved |= self._receive(now, done)
+        if self._answers:
+            self._send_all(("a", (self.rank, self._answers)))
+            self._answers = []
+        if self._to_order:
+            self._flush_orders()
+        if self._ordered:
+            moved |= self._run_ordered(now)
+            if self._to_order:  # ops heard complete while those ran (the next of a name): ordered at once
+                self._flush_orders()
+        if closing is not None:
+            moved |= self._finish_closing(closing, now)
+        if self.is_leader and now - self._inspected >= TICK_S:
+            self._inspected = now
+            self._inspect(now)
+        if self._sends:
+            self._sends = [r for r in self._sends if not r.Test()]
+        return moved
+
+    # Announcing and hearing.
+
+    def _send(self, rank, message):
+        request = self.control.isend(message, dest=self._index[rank], tag=TAG)
+        if not request.Test():
+            self._sends.append(request)
+
+    def _send_all(self, message):
+        for r in self._others:
+            request = self.control.isend(message, dest=self._index[r], tag=TAG)
+            # Testing at once pushes the message out: MPI may otherwise move it only at this rank's next call.
+            if not request.Test():
+                self._sends.append(request)
+
+    def _announce(self, entries, now):
+        closed = self.channel.closed
+        if closed is not None:
+            for e in entries:
+                self._complete(e, error=HorovodInternalError(f"{e.label}: {closed}"))
+            return
+        items, complete = [], []
+        for e in entries:
+            self._mine[e.key] = e
+            data = self._data_of(e)
+            if e.key in self._failed_joined:
+                self._mine.pop(e.key)
+                self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
+                                                             "while ranks are joined"))
+                continue
+            if self._board.add(self.rank, e.key, Announcement(e.record, e.info, e.args[0] if e.local else None),
+                               now):
+                complete.append(e.key)
+            if e.key == JOIN and self.is_leader:
+                self._join_order.append(self.rank)
+            if not self._others:
+                continue
+            record_id, new = self._record_id(e.record)
+            items.append((e.key, record_id, e.record if new else None, e.info, data))
+            if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
+                self._answer_all(now, complete)
+        if items:
+            self._send_all(("a", (self.rank, items)))
+        if JOIN in self._board:
+            self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
+        for key in complete:
+            if self._board.complete(key):
+                self._heard_all(key, now)
+
+    def _record_id(self, record):
+        """``(id, new)``: the id ``record`` is announced under, and whether it must go with it this once."""
+        kept, record_id = self._record_ids.get(id(record), (None, None))  # one record per distinct op (ops): cheap keys
+        if kept is record:
+            return record_id, False
+        if len(self._record_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its record,
+            self._record_ids.clear()       # so the members' tables of ids stay as small)
+            self._next_record_id = 0
+        self._next_record_id += 1
+        self._record_ids[id(record)] = (record, self._next_record_id)  # kept alive: its id is not reused
+        return self._next_record_id, True
+
+    def _data_of(self, entry):
+        """A small op's bytes, sent with its announcement (an allreduce's input; a broadcast's, from its root)."""
+        if not entry.local or not self._others:
+            return None
+        if entry.kind == "broadcast" and self.ranks[entry.record.root] != self.rank:
+            return None
+        return kernels.raw_bytes(entry.args[0])
+
+    def _receive(self, now, done=None):
+        """Read and act on the messages that have arrived; stop early once ``done()`` (the caller's op finished:
+        the rest wait for the next step, and the caller goes back to its program one MPI call sooner)."""
+        moved = False
+        while True:
+            message = self.control.improbe(self._any_source, TAG)
+            if message is None:
+                return moved
+            moved = True
+            kind, body = message.recv()
+            if kind == "a":
+                self._heard(*body, now)
+                if done is not None and done():
+                    return True
+            elif kind == "d":
+                self._batch += 1
+                self._ordered.extend((self._batch, *order) for order in body)
+            elif kind == "k":  # a member's answer to the leader's word that the set is closed
+                self._acks.add(body)
+            else:  # the leader has closed the set: so must this member
+                self._leader_closed = body
+                self.channel.close(body)
+
+    def _heard(self, rank, items, now):
+        records = self._records.setdefault(rank, {})
+        complete = []
+        for key, record_id, record, info, data in items:
+            if record is not None:
+                records[record_id] = record
+            else:
+                record = records[record_id]
+            if key in self._failed_joined:
+                continue  # failed here already: a rank has joined, and only allreduces run
+            if self._board.add(rank, key, Announcement(record, info, data), now):
+                complete.append(key)
+            if key == JOIN:
+                if self.is_leader:
+                    self._join_order.append(rank)
+                self._check_joined(self._board.keys(), now)
+                continue
+            if JOIN in self._board:
+                if JOIN in self._mine and not self._board.has(key, self.rank) and record.kind == "allreduce":
+                    self._answer(key, now, complete)
+                self._check_joined([key], now)
+        for key in complete:
+            if self._board.complete(key):
+                self._heard_all(key, now)
+
+    def _answer_all(self, now, complete):
+        for key in self._board.keys():
+            announced = self._board.partial(key)
+            kind = next((a.record.kind for a in announced.values()), None)
+            if key != JOIN and not self._board.has(key, self.rank) and kind == "allreduce":
+                self._answer(key, now, complete)
+
+    def _check_joined(self, keys, now):
+        """Fail at once the ops (not allreduces) that a rank which has joined will never submit."""
+        joined = list(self._board.partial(JOIN))
+        if not joined:
+            return
+        for key in keys:
+            if key == JOIN:
+                continue
+            ranks = join_blocks(key, joined, self._board.partial(key))
+            if ranks is None:
+                continue
+            entry = self._mine.pop(key, None)
+            if entry is not None:
+                self._complete(entry, error=HorovodInternalError(
+                    f"{_label_of(key)}: rank(s) {ranks} have joined; only allreduce runs while ranks are joined"))
+            self._board.drop(key)
+            self._failed_joined.add(key)
+
+    def _answer(self, key, now, complete):
+        """This rank has joined: it answers an op it did not submit with JOINED (zeros, for an allreduce)."""
+        record_id, new = self._record_id(JOINED)
+        self._answers.append((key, record_id, JOINED if new else None, None, None))
+        if self._board.add(self.rank, key, Announcement(JOINED), now):
+            complete.append(key)
+
+    def _heard_all(self, key, now):
+        """Every member has announced ``key``: fail it, compute it here, or (a collective) leave it to be ordered."""
+        if key == JOIN:
+            if self.is_leader:
+                self._to_order.append((JOIN, RUN, self._join_order[-1]))
+                self._join_order = []
+            return
+        announced = self._board.announcements(key)
+        v = verdict(key, self.ranks, announced)
+        if v.action == LOCAL:
+            self._run_local(key, v, announced, now)
+        elif v.action == FAIL:
+            entry = self._mine.pop(key, None)
+            if entry is not None:
+                self._complete(entry, error=(CollectiveMismatchError if v.mismatch else HorovodInternalError)(v.error))
+            self._done(key, now)
+        elif self.is_leader:
+            self._to_order.append((key, RUN, None))  # sent with the others heard in this step: they may fuse
+
+    def _done(self, key, now):
+        if self._board.take(key, now):
+            self._heard_all(key, now)
+
+    def _run_local(self, key, v, announced, now):
+        """A small op whose data every rank has: the result is computed here, as on every member."""
+        entry = self._mine.pop(key, None)
+        if entry is not None:
+            data = [announced[r].data for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
+            out = entry.args[1] if len(entry.args) > 1 else None
+            timeline = self.engine.timeline
+            try:
+                if timeline is None:
+                    result = kernels.run_local(v.record, data, out)
+                else:
+                    with timeline.span(entry.label + " (local)", tid=1):
+                        result = kernels.run_local(v.record, data, out)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+                self._complete(entry, error=_as_runtime_error(exc))
+            else:
+                self._complete(entry, result)
+        self._done(key, now)
+
+    def _flush_orders(self):
+        orders, self._to_order = self._to_order, []
+        self._order(orders)
+
+    def _order(self, orders):
+        """The leader's side: send the order to every member, and follow it here."""
+        if self._others:
+            self._send_all(("d", orders))
+        self._batch += 1
+        self._ordered.extend((self._batch, *order) for order in orders)
+
+    def _run_ordered(self, now):
+        """Run the ordered ops whose announcements have all arrived, in order, small reductions of a batch fused."""
+        moved = False
+        while self._ordered:
+            batch, key, action, payload = self._ordered[0]
+            if action == FAIL:
+                self._ordered.popleft()
+                entry = self._mine.pop(key, None)
+                if entry is not None:
+                    mismatch, text = payload
+                    self._complete(entry, error=(CollectiveMismatchError if mismatch else HorovodInternalError)(text))
+                self._done(key, now)
+                moved = True
+                continue
+            if not self._board.complete(key):
+                return moved  # an announcement the leader has heard is still on its way here
+            self._ordered.popleft()
+            moved = True
+            if key == JOIN:
+                entry = self._mine.pop(key, None)
+                self._complete(entry, payload)
+                self._done(key, now)
+                self._failed_joined.clear()  # every rank has joined: none will submit those ops again
+                continue
+            group = [self._decision(key)]
+            decision, entry = group[0]
+            if entry.kind in kernels.FUSABLE and type(decision.record) is not Grouped:
+                group += self._fusable(batch, decision.record)
+            self._run(group)
+            for d, _ in group:
+                self._done(d.name, now)
+        return moved
+
+    def _decision(self, key):
+        """``(Decision, entry)`` for an ordered op: this rank's entry, or zeros if it answered JOINED."""
+        announced = self._board.announcements(key)
+        record = next(a.record for a in announced.values() if a.record != JOINED)
+        infos = [announced[r].info for r in self.ranks]
+        entry = self._mine.pop(key, None)
+        if announced[self.rank].record == JOINED:
+            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", record, None,
+                          kernels.stand_in_args(record), Pending())
+        return Decision(key, record, infos), entry
+
+    def _fusable(self, batch, record):
+        """The ordered ops right after this one that fuse with it (the same on every member)."""
+        key, total, group = record.fuse_key(), record.nbytes, []
+        while self._ordered:
+            b, k, action, _ = self._ordered[0]
+            if b != batch or action != RUN or not self._board.complete(k):
+                break
+            other = next(a.record for a in self._board.announcements(k).values() if a.record != JOINED)
+            if (type(other) is not type(record) or other.fuse_key() != key
+                    or total + other.nbytes > self._fusion_bytes):
+                break
+            self._ordered.popleft()
+            total += other.nbytes
+            group.append(self._decision(k))
+        return group
+
+    def _run(self, group):
+        decision, entry = group[0]
+        if type(decision.record) is Grouped:
+            results = kernels.GroupResults(len(entry.args), lambda values, error: self._complete(entry, values, error))
+            parts = [(Decision(f"{entry.key}#{i}", record, infos),
+                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, record, None, args, results.part(i)))
+                     for i, (record, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
+            self._run_parts(parts, entry.kind)
+            return
+        timeline = self.engine.timeline
+        try:
+            if timeline is None:
+                results = kernels.run(entry.kind, self.data, group)
+            else:
+                name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+                with timeline.span(name, tid=1):
+                    results = kernels.run(entry.kind, self.data, group)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+            for _, e in group:
+                self._complete(e, error=_as_runtime_error(exc))
+            return
+        for (_, e), result in zip(group, results):
+            self._complete(e, result)
+
+    def _run_parts(self, parts, kind):
+        """A grouped op's tensors, run one after another, runs of compatible reductions fused."""
+        i = 0
+        while i < len(parts):
+            group = [parts[i]]
+            i += 1
+            if kind in kernels.FUSABLE:
+                first = group[0][0].record
+                key, total = first.fuse_key(), first.nbytes
+                while (i < len(parts) and parts[i][0].record.fuse_key() == key
+                       and total + parts[i][0].record.nbytes <= self._fusion_bytes):
+                    total += parts[i][0].record.nbytes
+                    group.append(parts[i])
+                    i += 1
+            self._run(group)
+
+    def _complete(self, entry, result=None, error=None):
+        # The name is free before anyone waiting hears of it, so a caller may reuse it at once. (No lock:
+        # a set's discard is atomic, and no submit can be adding this key while its op is in flight.)
+        self.channel.in_flight.discard(entry.key)
+        if error is not None:
+            entry.pending.fail(error)
+        else:
+            entry.pending.succeed(result)
+
+    # Closing, and the leader's inspection.
+
+    def _finish_closing(self, reason, now):
+        """Close: the leader fails what has not run everywhere; a member waits for the leader's word.
+
+        With ``handshake`` (the set is being removed, and its communicators
+        freed) every member also waits for the leader's word and answers it,
+        and the leader waits for every answer: nothing is left on its way on
+        a communicator whose id MPI may give to the next one.
+        """
+        if self.is_leader:
+            if not self._told:
+                if self._to_order:
+                    self._flush_orders()
+                ordered = {key for _, key, _, _ in self._ordered}
+                self._order([(key, FAIL, (False, f"{_label_of(key)}: {reason}")) for key in self._board.keys()
+                             if key not in ordered])
+                if self._others:
+                    self._send_all(("c", reason))
+                self._told = True
+            if self.channel.handshake and len(self._acks) < len(self._others):
+                return False
+        else:
+            if self._leader_closed is None and (self.channel.handshake or self._mine or self._ordered):
+                return False
+            if self.channel.handshake and not self._told:
+                self._send(self.leader, ("k", self.rank))
+                self._told = True
+        self._run_ordered(now)
+        closed = self._leader_closed or reason
+        left = list(self._mine.values()) + self.channel.set_closed(closed)
+        self._mine = {}
+        for e in left:
+            self._complete(e, error=HorovodInternalError(f"{e.label}: {closed}"))
+        return True
+
+    def _inspect(self, now):
+        """The leader's watch over ops not every member has announced: conflicts, Horovod's stall warnings."""
+        waiting = self._board.waiting(now)
+        if not waiting:
+            return
+        failed = conflicts(self.set_id, waiting, self.engine.reports, PROBE_S)
+        if failed:
+            self._order([(key, FAIL, (True, error)) for key, error in failed])
+        check_s, shutdown_s = self.engine.stall_times
+        if check_s is None or now - self._last_warning < check_s:
+            return
+        message, shut_down = stall_report(self.set_id, self.ranks, waiting, check_s, shutdown_s)
+        if message is None:
+            return
+        self._last_warning = now
+        sys.stderr.write(f"[ringtrain.engine] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
+        sys.stderr.flush()
+        if shut_down:
+            late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
+            self.engine.stall_shutdown(f"process set {self.set_id} stalled: rank(s) {late} kept an op waiting "
+                                       f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
+
+
+def _label_of(key):
+    return f"{key.partition('.')[0]} {user_name(key)!r}"
+
+
+def _as_runtime_error(exc):
+    return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
