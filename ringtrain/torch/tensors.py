@@ -111,7 +111,7 @@ def sync(tensors):
     """Wait for the work queued on each CUDA tensor's own device (once per device); CPU tensors need none."""
     seen = set()
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda and t.device not in seen:
+        if getattr(t, "is_cuda", False) and t.device not in seen:
             seen.add(t.device)
             stream_of(t).synchronize()
     return tensors
