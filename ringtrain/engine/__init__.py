@@ -31,12 +31,12 @@ from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternal
 from .ops import (allgather_async, allreduce_async, alltoall_async, barrier, broadcast_async, grouped_allgather_async,
                   grouped_allreduce_async, grouped_reducescatter_async, join, poll, reducescatter_async, refused,
                   start_timeline, stop_timeline, synchronize)
-from .process_sets import (ProcessSet, add_process_set, communicator_of, global_process_set, included,
-                           remove_process_set, set_rank)
+from .process_sets import ProcessSet, communicator_of, global_process_set, included, set_rank
 from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
-from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_built, current, ddl_built, gloo_built,
-                      gloo_enabled, helper, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
-                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
+from .runtime import (add_process_set, ccl_built, communicator, cross_rank, cross_size, cuda_built, current,
+                      ddl_built, gloo_built, gloo_enabled, helper, init, is_homogeneous, is_initialized, local_rank,
+                      local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
+                      rocm_built, shutdown, size)
 
 __all__ = ["CollectiveMismatchError", "DuplicateNameError", "HorovodInternalError", "HostsUpdatedInterrupt",
            "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",

@@ -104,6 +104,7 @@ class Engine:
     def __init__(self, comm, sets, settings):
         self.user_comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.sets = sets
         self.settings = settings
         self.stall_times = settings.stall_times
         for note in settings.notes:
@@ -142,16 +143,51 @@ class Engine:
         (self.channel(set_id) if channel is None else channel).submit(entry)  # (channel() explains a missing one)
         return entry.pending
 
-    def call(self, what, fn, detail=()):
-        """Run ``fn(communicator of every rank)`` on every rank, in the same order as every other op of set 0.
+    def call(self, what, detail=(), args=()):
+        """Run the engine change ``what`` on every rank, in the same order as every other op of set 0.
 
-        Collective over every rank; returns ``fn``'s result. ``detail`` is what the ranks must agree on.
+        Collective over every rank; returns :meth:`run_call`'s result. ``detail`` is what the ranks must
+        agree on; ``args`` what this rank's change needs (the set to register, the events to write).
         """
         from .handles import register, synchronize
 
         key = op_key("call", self.names.next(0, "call"))
-        entry = Entry(key, what, "call", Call(what, tuple(detail)), None, (fn,), Pending())
+        entry = Entry(key, what, "call", Call(what, tuple(detail)), None, tuple(args), Pending())
         return synchronize(register(self.submit(0, entry)))
+
+    def run_call(self, record, args, comm):
+        """An engine change, on the thread driving set 0, when its turn comes (``comm``: every rank's)."""
+        if record.what == "add_process_set":
+            ps, ranks = args[0], record.detail
+            set_id = self.sets.register(ps, ranks, comm)
+            if self.rank in ranks:
+                self.add_channel(set_id, ranks, *self.sets.engine_comms(set_id))
+            return ps
+        if record.what == "remove_process_set":
+            set_id, = record.detail
+            self.drop_channel(set_id, f"process set {set_id} was removed")
+            self.sets.unregister(set_id)
+            return True
+        from ..training.timeline import Timeline  # stop_timeline: rank 0 writes every rank's events
+
+        events, path = args
+        everyone = comm.gather(events, root=0)
+        if comm.Get_rank() == 0 and path:
+            Timeline.write(path, everyone)
+        return True
+
+    def add_process_set(self, ps):
+        """Register ``ps`` on every rank (collective over every rank); returns it."""
+        problem = self.sets.problem(ps)
+        if problem is not None:
+            self.refuse("add_process_set", problem)
+            raise ValueError(problem)
+        return self.call("add_process_set", tuple(ps.ranks), (ps,))
+
+    def remove_process_set(self, ps):
+        """Unregister ``ps`` on every rank and free its communicators (collective over every rank)."""
+        set_id = self.sets.removable(ps)
+        return self.call("remove_process_set", (set_id,))
 
     def refuse(self, kind, problem, set_id=0, name=None):
         """Tell a set's leader this rank refused an op on its own arguments, so every member fails it too.
@@ -173,7 +209,7 @@ class Engine:
         """
         return _Helper(self, label)
 
-    # Process sets' channels (made and dropped inside call(), on every rank in the same order).
+    # Process sets' channels (made and dropped inside run_call(), on every rank in the same order).
 
     def add_channel(self, set_id, ranks, data, control):
         """Start the channel of a process set this rank is in, over two communicators of ``ranks``."""

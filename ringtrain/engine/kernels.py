@@ -215,8 +215,6 @@ class _Part:
 
 def run(kind, comm, group):
     """Run ``group`` (``[(Decision, Entry)]``, one op or a fused run); return each entry's result."""
-    if kind == "call":  # process-set changes and the timeline: a function every member runs in order
-        return [entry.args[0](comm) for _, entry in group]
     return _KERNELS[kind](comm, group)
 
 

@@ -343,17 +343,7 @@ def start_timeline(file_path, mark_cycles=False):
 
 def stop_timeline():
     """Stop recording; rank 0 writes every rank's ops to the path given to ``start_timeline`` (collective)."""
-    from ..training.timeline import Timeline
-
     engine = runtime.current().engine
     timeline, path = engine.timeline, engine.timeline_path
     engine.timeline = None
-    events = timeline.events if timeline is not None else []
-
-    def gather(comm):
-        everyone = comm.gather(events, root=0)
-        if comm.Get_rank() == 0 and path:
-            Timeline.write(path, everyone)
-        return True
-
-    engine.call("stop_timeline", gather)
+    engine.call("stop_timeline", args=(timeline.events if timeline is not None else [], path))

@@ -430,6 +430,12 @@ class Protocol:
                      for i, (record, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
             self._run_parts(parts, entry.kind)
             return
+        if entry.kind == "call":  # an engine change (a process set added or removed, the timeline stopped)
+            try:
+                result = self.engine.run_call(decision.record, entry.args, self.data)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+                return self._complete(entry, error=_as_runtime_error(exc))
+            return self._complete(entry, result)
         timeline = self.engine.timeline
         try:
             if timeline is None:

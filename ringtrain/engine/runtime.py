@@ -22,13 +22,13 @@ from ..cluster.topology import TaskSpec, node_layout
 from ..errors import UsageError
 from ..failure import verdict_of
 from .core import Engine
-from .process_sets import ProcessSets, add_process_set
+from .process_sets import ProcessSet, ProcessSets, bind
 from .settings import Settings
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
            "cross_rank", "is_homogeneous", "mpi_threads_supported", "communicator", "current", "Runtime",
            "cross_layout", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-           "ccl_built", "cuda_built", "rocm_built", "helper"]
+           "ccl_built", "cuda_built", "rocm_built", "helper", "add_process_set", "remove_process_set"]
 
 _lock = threading.Lock()
 _runtime = None
@@ -115,7 +115,7 @@ def init(comm=None, process_sets=None):
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
         runtime.sets = ProcessSets(communicator_)
         runtime.engine = Engine(communicator_, runtime.sets, settings)
-        runtime.sets.engine = runtime.engine
+        bind(runtime.sets)
         # An uncaught exception must end the job, not leave the other ranks waiting on this one.
         runtime.previous_hook = sys.excepthook
         sys.excepthook = runtime.hook = runtime.engine.excepthook(sys.excepthook)
@@ -145,6 +145,21 @@ def _agreed_settings(comm):
     if comm.Get_rank() == 0:
         print(f"ringtrain: error: {verdict}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def add_process_set(process_set):
+    """Register a process set (a :class:`ProcessSet`, a list of ranks or a communicator) on every rank.
+
+    Collective: every rank must call it, in the same order as other
+    process-set changes. Returns the registered :class:`ProcessSet`.
+    """
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    return current().engine.add_process_set(ps)
+
+
+def remove_process_set(process_set):
+    """Unregister a process set on every rank and free its communicators (collective over every rank)."""
+    return current().engine.remove_process_set(process_set)
 
 
 def shutdown():

@@ -34,7 +34,8 @@ from .ops_async import (allgather_async, allreduce_async, allreduce_async_, allt
                         broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
                         grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async,
                         start_timeline, stop_timeline)
-from ..engine.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..engine.process_sets import ProcessSet, global_process_set
+from ..engine.runtime import add_process_set, remove_process_set
 
 # Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
