@@ -92,7 +92,31 @@ def engine_view(tensor):
         stream_of(tensor).synchronize()
     if tensor.dtype == torch.bfloat16:
         return as_array(tensor.detach().view(torch.int16)), "bfloat16"
-    return (tensor.detach().numpy() if tensor.is_cpu else as_array(tensor)), None
+    if tensor.is_cpu and tensor.is_contiguous():
+        return _host_view(tensor), None
+    return as_array(tensor), None
+
+
+def _host_view(tensor):
+    """The NumPy view of a contiguous CPU tensor, the same array object for the same memory call after call.
+
+    Programs reduce the same tensors step after step, often through a new
+    tensor object each time (``p.detach()``), and the layers below keep what
+    they prepared for an array (a small call's plan, a window's registration)
+    by the array: a new view each call would prepare it all again. A view is
+    found by the memory it covers (address, dtype, shape); it holds that
+    memory, so no other tensor can be given the address while it is kept.
+    """
+    key = (tensor.data_ptr(), tensor.dtype, tensor.shape)
+    array = _VIEWS.get(key)
+    if array is None:
+        if len(_VIEWS) >= 256:  # views of tensors since freed must not pile up
+            _VIEWS.clear()
+        array = _VIEWS[key] = tensor.detach().numpy()
+    return array
+
+
+_VIEWS = {}
 
 
 def tensor_of(array, dtype=None):
