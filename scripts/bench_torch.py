@@ -367,6 +367,7 @@ def small_ops_worker(rounds):
 
     for fn in list(small.values()) + list(large.values()):  # warm-up: buffers, plans, threads
         block(fn, 20)
+    calls = {name: _python_calls(fn, comm) for name, fn in small.items()}
     times = {name: [] for name in list(small) + list(large)}
     for _ in range(rounds):
         for name, fn in small.items():
@@ -375,6 +376,33 @@ def small_ops_worker(rounds):
             times[name].append(block(fn, 10))
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps({name: statistics.median(t) for name, t in times.items()}), flush=True)
+        print("CALLS " + json.dumps(calls), flush=True)
+
+
+def _python_calls(fn, comm, ops=50):
+    """The fewest Python function calls one op took on this rank's thread, of ``ops`` (a count, not a time).
+
+    An op that waits for a peer polls, and each poll adds calls, so the fewest is the op's own work: what
+    it costs when its peer's message is already there. The channel's thread's calls are not counted.
+    """
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            count[0] += 1
+
+    fewest = None
+    for _ in range(ops):
+        comm.Barrier()
+        count[0] = 0
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        fewest = count[0] if fewest is None else min(fewest, count[0])
+    comm.Barrier()
+    return fewest
 
 
 def small_ops_suite(args):
@@ -391,12 +419,16 @@ def small_ops_suite(args):
         if done.returncode != 0 or line is None:
             sys.exit(f"bench_torch: the small-ops worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         runs.append(json.loads(line[len("RESULT "):]))
+        counts = next((ln for ln in done.stdout.splitlines() if ln.startswith("CALLS ")), None)
     medians = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
     direct = medians["ringtrain.allreduce_"]
     print(f"{'op':<36} {'per call':>10} {'ratio':>8}")
     for name, seconds in medians.items():
         against = direct if "4 MiB" not in name else medians["hvd.allreduce (4 MiB)"]
         print(f"{name:<36} {seconds * 1e6:>8.1f}us {seconds / against:>7.2f}x")
+    if counts:
+        print("Python calls of one 4 KiB op on rank 0's thread (the fewest of 50): " + ", ".join(
+            f"{name} {n:.0f}" for name, n in json.loads(counts[len("CALLS "):]).items()))
     print(f"(4 KiB ops against ringtrain.allreduce_ of the same bytes; the 4 MiB ops against hvd.allreduce of the "
           f"same tensor into a new one, as reducescatter's result is)\n{_uptime()} (after)")
     return 0

@@ -23,7 +23,8 @@ GPU_ONLY = {os.path.join("tests", "mpi", name) for name in ("test_gpu.py", "test
 # installed (the [test] extra alone), instead of an exit 5 from a file that
 # skips itself whole at import.
 TORCH_ONLY = {os.path.join("tests", "mpi", f"test_{name}.py")
-              for name in ("elastic", "hvd_ops", "hvd_process_sets", "interop", "torch_model", "torch_optimizer")}
+              for name in ("elastic", "torch_ops", "torch_process_sets", "torch_interop", "torch_model",
+                           "torch_optimizer")}
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -13,12 +13,11 @@ import numpy as np
 
 __all__ = ["SharedArena"]
 
-# Polls of a peer's counter (about 0.1 us each) before yielding between
-# polls. Measured with 2,000 calls of 8 KiB and 200 of 1 MiB: 30 polls
-# took 9.6 and 17.4 ms at 2 ranks on the 2 cores, 41 and 74 ms at 4 ranks
-# (oversubscribed); 300 polls 26 and 23 ms, 153 and 118 ms; MPI_Barrier in
-# its place 27 and 19 ms, 145 and 145 ms. Sleeping instead of yielding
-# (time.sleep(0)) took 3-10x longer.
+# Polls of a peer's counter before yielding between polls: the fewest that
+# catch a peer arriving within microseconds, without taking the core from a
+# late one when ranks outnumber cores; sleeping instead of yielding is much
+# slower (docs/performance.md, "The figures behind the size policy and the
+# small-call paths").
 _SPINS = 30
 # A cache line: each rank's arrival counter has one to itself.
 _LINE = 64
@@ -79,8 +78,8 @@ class SharedArena:
 
         A barrier on counters in the window rather than MPI's: each rank
         counts its arrivals in its own counter and waits until every peer's
-        has caught up. 0.4 us at 2 ranks against 2.5 us for ``MPI_Barrier``
-        (idle, median of 3,000), which small calls feel. ``Win.Sync`` is
+        has caught up: several times quicker than ``MPI_Barrier``, which
+        small calls feel (figures: docs/performance.md). ``Win.Sync`` is
         MPI's memory barrier: it orders this rank's stores before its
         counter, and the peers' counters before the loads that follow.
         A stalled peer keeps us here as it would in any collective, for the

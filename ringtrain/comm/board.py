@@ -3,8 +3,8 @@
 Across hosts the header exchange (:func:`ringtrain.comm.header.exchange`)
 goes by recursive doubling over point-to-point messages. On one host that
 costs more than it must: a message of header plus payload above MPICH's
-8 KiB eager limit switches to a rendezvous handshake (3.6 against 7.2 us
-for a bare exchange at 2 ranks), and at 3 or more ranks doubling needs
+8 KiB eager limit switches to a rendezvous handshake (twice the time of a
+bare exchange at 2 ranks: docs/performance.md), and at 3 or more ranks doubling needs
 several rounds. A :class:`Board` is a small MPI shared-memory window: each
 rank writes its packed header, and a small call's payload after it, into
 its own slot, every rank passes one barrier, and then reads everybody's
@@ -128,7 +128,7 @@ class BoardPlan:
     """A small NumPy call on one host, prepared once and replayed through the board.
 
     Python's own overhead is most of a small call (MPI's ``Allreduce`` of
-    8 KiB takes about 5 us here), so the plan keeps everything a repeated
+    8 KiB takes a few microseconds), so the plan keeps everything a repeated
     call needs: the packed header, each half's payload views in rank order,
     and the combine. A call is then one copy in, the header, the barrier, a
     comparison of every rank's header with ours, and one combine per peer

@@ -169,8 +169,8 @@ def raise_mismatch(who, header, verdict, local_problem):
 def combine_for(op, dtype):
     """``(combine, predivide, divide_after)`` for a replayed small call of ``op`` on ``dtype`` (pure).
 
-    ``combine(a, b, out)`` takes ``out`` positionally: a keyword costs about
-    0.3 us a call, and NumPy deprecates a positional ``out`` for minimum
+    ``combine(a, b, out)`` takes ``out`` positionally: a keyword costs
+    measurably more a call, and NumPy deprecates a positional ``out`` for minimum
     and maximum, so those are wrapped. float16 means divide first (sums
     overflow easily), as :func:`ringtrain.comm.collectives.reduce_flat`
     does; wider floats divide last, which is more accurate.

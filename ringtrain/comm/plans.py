@@ -24,7 +24,7 @@ class PairPlan:
     """A small CPU call between exactly two ranks on different hosts, prepared once and replayed.
 
     The latency-bound case is dominated by Python, not by the wire: MPI's own
-    ``Allreduce`` of 4 KiB takes about 5 us here, and every microsecond of
+    ``Allreduce`` of 4 KiB takes a few microseconds, and every microsecond of
     argument parsing, header packing and view making shows. A plan holds a
     preallocated message whose header is already written, the received
     payload's view, the operands in rank order and a persistent send and
@@ -32,8 +32,8 @@ class PairPlan:
     (``Startall``/``Waitall``), a 144-byte comparison of the header heard
     against our own, and one combine written straight into ``x``. Any
     strides work: the copy in and the combine's ``out=`` both take them.
-    Measured at 2 ranks, 4 KiB float32 sum: MPI's ``Allreduce`` 4.1 us, a
-    bare mpi4py ``Sendrecv`` of the same message 2.6 us, this path 3.9-4.5 us.
+    (Its cost against MPI's ``Allreduce`` and a bare ``Sendrecv``:
+    docs/performance.md.)
 
     The check is the same as :func:`ringtrain.comm.header.exchange`'s: the receive
     buffer has room for any header plus the largest small payload, so a
@@ -62,8 +62,8 @@ class PairPlan:
         self.heard = box.heard
         self.received = box.recv_bytes[:HEADER_BYTES]
         self.recv_header = box.recv_header
-        # Persistent requests: MPI parses the buffers once, not on every call
-        # (0.4 us of a 4.6 us call here, against a plain Sendrecv). The receive
+        # Persistent requests: MPI parses the buffers once, not on every call,
+        # a measurable part of a small call against a plain Sendrecv. The receive
         # is posted first and takes the whole receive buffer, as in exchange().
         comm = state.comm
         self.requests = [comm.Recv_init(self.heard, self.peer, TAG), comm.Send_init(self.message, self.peer, TAG)]
@@ -80,7 +80,7 @@ class PairPlan:
 
     def run(self, x):
         """Reduce ``x`` (a NumPy array of the planned dtype and shape) in place; return it."""
-        # Positional out= and slice assignment: each ~0.3 us cheaper than the keyword and np.copyto.
+        # Positional out= and slice assignment: each cheaper than the keyword and np.copyto.
         payload = self.payload
         payload[...] = x
         if self.predivide:

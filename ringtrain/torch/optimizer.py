@@ -65,12 +65,12 @@ import warnings
 import torch
 
 from ..environment import env_int
-from . import process_sets as scope
-from . import runtime
+from ..engine import process_sets as scope
+from ..engine import runtime
 from .buckets import GradientBuckets, match_problem, wire_dtype
-from .errors import CollectiveMismatchError
+from ..engine.errors import CollectiveMismatchError
 from .functions import allgather_object
-from .reduce_ops import Average, Max, Min, Sum, op_name
+from ..engine.reduce_ops import Average, Max, Min, Sum, op_name
 
 __all__ = ["DistributedOptimizer", "Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
@@ -320,7 +320,10 @@ def _named(optimizer, named_parameters):
 
 
 def _bucket_bytes():
-    """Horovod's fusion threshold (``HOROVOD_FUSION_THRESHOLD``, bytes), if set, sizes the buckets."""
+    """Horovod's fusion threshold (``HOROVOD_FUSION_THRESHOLD``, bytes), if set, sizes the buckets.
+
+    ``init`` has already refused a bad value on every rank, so this read cannot fail on one rank alone.
+    """
     value = env_int(os.environ, "HOROVOD_FUSION_THRESHOLD", None, unit=" of bytes", everywhere=True)
     return None if value is None else max(1, value)  # Horovod's 0 (no fusion): every gradient a bucket of its own
 

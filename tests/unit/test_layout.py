@@ -6,6 +6,9 @@ breaks the house fails here with the module's name, not at a user's import.
 
 import ast
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +21,7 @@ LEVELS = {
     "errors": 0, "backend": 0, "environment": 0,
     "failure": 1, "watchdog": 1, "optim": 1, "io": 1, "cluster": 1, "data": 1,
     "comm": 2, "models": 2,
-    "training": 3, "torch": 3,
+    "training": 3, "engine": 3, "torch": 3,
     "commands": 4, "cli": 4, "__main__": 4, "__init__": 4, "horovod": 4,
 }
 MAX_TOP_MODULES = 10
@@ -178,3 +181,49 @@ def test_optional_libraries_are_imported_in_one_wing(library, home):
                if isinstance(node, ast.Import) and any(a.name.split(".")[0] == library for a in node.names)
                or isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == library]
     assert not outside, f"{library} imported outside ringtrain/{home}: {outside}"
+
+
+def test_the_engine_imports_neither_torch_nor_tensorflow():
+    # Imported for real, in a fresh interpreter: a framework pulled in through any module (ours or a
+    # library's) would show in sys.modules, which the ast walk above cannot see.
+    engine = sorted(f"ringtrain.{name}".removesuffix(".__init__") for name in MODULES if _wing(name) == "engine")
+    code = ("import importlib, sys\n"
+            f"for name in {engine!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras', 'jax')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(PACKAGE))
+    assert done.returncode == 0, done.stderr
+    assert len(engine) >= 8 and done.stdout.strip() == "[]", done.stdout
+
+
+def _test_map():
+    """``{module path: [test paths]}`` from docs/development.md's table of where each module's tests are."""
+    path = os.path.join(os.path.dirname(PACKAGE), "docs", "development.md")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    section = text.split("## Where each module's tests are", 1)[1].split("\n## ", 1)[0]
+    found = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            for module in re.findall(r"`([^`]+\.py)`", cells[0]):
+                found[module] = re.findall(r"`([^`]+\.py)`", cells[1])
+    return found
+
+
+def test_the_development_page_says_where_every_modules_tests_are_and_each_file_it_names_exists():
+    table = _test_map()
+    modules = {os.path.relpath(p, PACKAGE) for p, _ in MODULES.values()}
+    assert sorted(modules - set(table)) == [], "modules missing from docs/development.md's table of tests"
+    assert sorted(set(table) - modules) == [], "modules in docs/development.md's table that do not exist"
+    tests = os.path.join(os.path.dirname(PACKAGE), "tests")
+    missing = sorted({t for ts in table.values() for t in ts if not os.path.isfile(os.path.join(tests, t))})
+    assert not missing, f"test files named in docs/development.md that do not exist: {missing}"
+    assert all(table.values()), [m for m, ts in table.items() if not ts]
+
+
+def test_the_torch_face_and_the_engine_have_one_prefix_each_for_their_test_files():
+    tests = os.path.join(os.path.dirname(PACKAGE), "tests")
+    names = [f for d in ("unit", "mpi", "cli") for f in os.listdir(os.path.join(tests, d))]
+    assert not [f for f in names if f.startswith("test_hvd_")], "the torch face's test files start test_torch_"

@@ -1,11 +1,11 @@
 """The peer window on GPUs: ranks on one host map each other's device memory with CUDA IPC.
 
 Without a CUDA-aware MPI a CuPy allreduce is staged through pinned host
-memory and reduced on the CPU (the old host-staged path moved 2.8-4.3 GB/s
-on an H200). But ranks on one host can map each other's device allocations
+memory and reduced on the CPU, at a small part of device-memory speed. But
+ranks on one host can map each other's device allocations
 (``cudaIpcOpenMemHandle``) and reduce in place with CuPy kernels, at
-device-memory speed (a 60-line CUDA IPC probe moved 179 GB/s on the same
-H200; this transport's own figures come from scripts/gpu_acceptance.sh);
+device-memory speed (both measured on an H200: docs/performance.md; this
+transport's own figures come from scripts/gpu_acceptance.sh, docs/gpu.md);
 NCCL refuses two ranks on one GPU, so where ranks share a GPU this is the
 only fast path.
 

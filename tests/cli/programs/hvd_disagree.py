@@ -1,4 +1,4 @@
-"""One rank of an MPMD job whose ranks call a ringtrain.torch collective differently (tests/cli/test_hvd_mpmd.py).
+"""One rank of an MPMD job whose ranks call a ringtrain.torch collective differently (tests/cli/test_torch_ops_mpmd.py).
 
     python hvd_disagree.py CASE SIDE
 

@@ -1,4 +1,4 @@
-"""One rank of a ringtrain.torch job in which one rank fails, leaves or lags (tests/cli/test_hvd_failures.py).
+"""One rank of a ringtrain.torch job in which one rank fails, leaves or lags (tests/cli/test_torch_failures.py).
 
     python hvd_failures.py CASE
 

@@ -1,16 +1,17 @@
-"""One process set's ops on this rank: announced to every member, run as every member's verdict says.
+"""The protocol one process set's members speak: announce, hear, join, order, fuse, run, close, inspect.
 
-The engine (:mod:`ringtrain.torch.engine`) keeps a :class:`Channel` for every
-process set this rank belongs to. A channel talks only to the set's
-members, over two communicators of its own: ``control`` for the messages
-below, ``data`` for the collectives themselves. So a set's ops complete as
-soon as its members have submitted them, whatever ranks outside the set
-are doing.
+Only the thread that drives a set's channel (:mod:`ringtrain.engine.channel`:
+the caller's own, inside ``synchronize``, or the channel's thread) runs a
+:class:`Protocol`, so nothing here takes a lock: the state below is the
+driver's alone. It talks only to the set's members, over two communicators
+of its own: ``control`` for the messages below, ``data`` for the
+collectives themselves. So a set's ops complete as soon as its members have
+submitted them, whatever ranks outside the set are doing.
 
-The protocol (:mod:`ringtrain.torch.negotiation` holds the rules; one tag,
+The messages (:mod:`ringtrain.engine.negotiation` holds the rules; one tag,
 and MPI keeps each sender's messages in order)::
 
-    every member -> every member   ("a", rank, [(key, meta id, meta or None, info, data), ...])
+    every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]))
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
                                                                                  (FAIL: (mismatch, why))
     leader -> every member         ("c", reason)                                closed: fail the rest
@@ -23,62 +24,43 @@ broadcast or barrier whose data came with the announcements: one message
 each way, no collective), or is a collective, which runs in the order the
 leader (the set's lowest rank) sends: ranks may submit ops in different
 orders, and one thread running blocking collectives must run them in the
-same order as its peers. A member sends each distinct ``meta`` once and
+same order as its peers. A member sends each distinct op record once and
 then only its id, so an op the ranks have run before costs a few dozen
 bytes per member (Horovod's response cache does the same with a bit).
-
-Who runs it. Whoever holds the channel's driver lock: the caller's own
-thread inside ``synchronize`` (no hand-off, the common case), or else the
-channel's thread, which takes over ops nobody has come for within one
-cycle (``HOROVOD_CYCLE_TIME``, 1 ms) and sleeps, costing nothing, while
-the set is idle. Only the driver calls MPI on ``control`` and ``data``.
 """
 
 import collections
-import os
 import sys
-import threading
 import time
+import typing
 
-import torch
-
-from ..environment import env_int, env_seconds
 from . import kernels
-from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
+from .errors import CollectiveMismatchError, HorovodInternalError
 from .handles import Pending
-from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, join_blocks, stall_report, user_name, verdict
+from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, stall_report,
+                          user_name, verdict)
 
-__all__ = ["Entry", "Channel", "Decision", "CYCLE_S", "TICK_S", "PROBE_S"]
+__all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
 RUN = "run"
-# Horovod's cycle, in milliseconds; beyond 10 s every op would wait that long for company.
-CYCLE_S = env_seconds(os.environ, "HOROVOD_CYCLE_TIME", 1.0, hi=10_000, everywhere=True,
-                      unit="milliseconds") / 1000.0
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
-WATCH_S = 0.1       # the thread keeps watching this long after the set was last busy, then sleeps
-WATCH_MAX_S = 0.008  # the longest it waits between looks while watching
-SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
-YIELD_S = 0.005     # how long it yields before it starts to sleep
-SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
-FUSION_BYTES = env_int(os.environ, "HOROVOD_FUSION_THRESHOLD", 64 << 20, unit=" of bytes", everywhere=True)
-INFO_KINDS = ("allgather", "alltoall")  # the kinds whose kernels need every member's info
 
 
 class Entry:
-    """One submitted op: its key, what is announced (``meta``, ``info``) and what the kernel needs.
+    """One submitted op: its key, what is announced (its ``record``, ``info``) and what the kernel needs.
 
     ``where`` is what errors name it by (a string, or ``(name, process set)``
     made into one only when needed); ``local`` marks an op small enough for
     its data to go with its announcement.
     """
 
-    __slots__ = ("key", "where", "kind", "meta", "info", "args", "pending", "submitted", "local")
+    __slots__ = ("key", "where", "kind", "record", "info", "args", "pending", "submitted", "local")
 
-    def __init__(self, key, where, kind, meta, info, args, pending, local=False):
+    def __init__(self, key, where, kind, record, info, args, pending, local=False):
         self.key, self.where, self.kind = key, where, kind
-        self.meta, self.info, self.args, self.pending = meta, info, args, pending
+        self.record, self.info, self.args, self.pending = record, info, args, pending
         self.submitted = time.monotonic()
         self.local = local
 
@@ -91,24 +73,30 @@ class Entry:
         return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
 
 
-class Decision(collections.namedtuple("Decision", "name meta infos")):
-    """An ordered op as its kernel sees it: the agreed ``meta`` and every member's ``info``, in member order."""
+class Decision(typing.NamedTuple):
+    """An ordered op as its kernel sees it: the agreed record and every member's ``info``, in member order."""
+
+    name: str
+    record: object
+    infos: list
 
 
-class Channel:
-    """One process set's queue, names in flight, board of announcements and driver.
+class Protocol:
+    """One process set's announcements, board, order and runs on this rank: the driving thread's alone.
 
     Args:
-        engine: the :class:`~ringtrain.torch.engine.Engine` (its rank, stall settings, reports, timeline).
+        channel: the set's :class:`~ringtrain.engine.channel.Channel`: the queue it takes submitted ops
+            from, the names in flight it frees, whether the set is closing, and where it says it has closed.
+        engine: the :class:`~ringtrain.engine.core.Engine` (its rank, settings, reports, timeline).
         set_id: the process set's id.
         ranks: the set's ranks (of the runtime's communicator), in order.
         data, control: communicators over ``ranks``, in that order.
     """
 
-    def __init__(self, engine, set_id, ranks, data, control):
+    def __init__(self, channel, engine, set_id, ranks, data, control):
         from mpi4py import MPI
 
-        self.engine, self.set_id, self.ranks = engine, set_id, tuple(ranks)
+        self.channel, self.engine, self.set_id, self.ranks = channel, engine, set_id, tuple(ranks)
         self.data, self.control = data, control
         self.rank = engine.rank
         self.leader = self.ranks[0]
@@ -116,12 +104,6 @@ class Channel:
         self._others = [r for r in self.ranks if r != self.rank]
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self._any_source = MPI.ANY_SOURCE
-        self._lock = threading.Lock()          # the queue's; taken bare where nobody waits (cheaper than _cond)
-        self._cond = threading.Condition(self._lock)
-        self._driver = threading.Lock()
-        self._driving = False
-        self._queue = []                       # submitted, not yet announced
-        self._in_flight = set()                # keys from submit until the op completes
         self._mine = {}                        # key -> this rank's entry, announced, not yet run
         self._board = Board(self.ranks)
         self._ordered = collections.deque()    # (batch, key, RUN or FAIL, payload): the leader's order
@@ -131,186 +113,37 @@ class Channel:
         self._to_order = []                    # leader: collectives heard complete, to order in one batch
         self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
-        self._meta_ids = {}                    # id(meta) -> (meta, the id this rank announces it under)
-        self._next_meta_id = 0
-        self._metas = {}                       # rank -> {id: meta}
-        self._closing = None
-        self._closed = None
+        self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
+        self._next_record_id = 0
+        self._records = {}                     # rank -> {id: record}
         self._leader_closed = None
-        self._handshake = False                # closing for good: members answer the leader's word
         self._told = False                     # the closing word is sent (leader) or answered (member)
         self._acks = set()
-        self._stopped = False
-        self._parked = False
-        self._last_drive = 0.0
         self._inspected = 0.0
         self._last_warning = 0.0
-        self._thread = None
-        self._interval = CYCLE_S
+        self._fusion_bytes = engine.settings.fusion_bytes
 
-    # The caller's side.
+    def busy(self):
+        """Whether ops are announced here and not yet run (read from any thread: a hint, not a promise)."""
+        return bool(self._mine or self._ordered)
 
-    def submit(self, entry):
-        """Queue ``entry``; ValueError if its name is in flight here; HorovodInternalError once closed."""
-        entry.pending.channel = self
-        with self._lock:
-            reason = self._closed or self._closing
-            if reason is not None:
-                raise HorovodInternalError(f"{entry.label}: {reason}")
-            if entry.key in self._in_flight:
-                raise DuplicateNameError(f"{entry.label}: an op of this name is already in flight on this rank; "
-                                         "wait for it (synchronize) or use another name")
-            self._in_flight.add(entry.key)
-            self._queue.append(entry)
-            if self._thread is None:
-                self._start_thread()
-            elif self._parked:
-                self._cond.notify()
+    def in_flight(self, now):
+        """``[(entry, missing ranks)]`` of this rank's announced ops (for the engine's watch: reads copies)."""
+        waiting = {key: missing for key, _, missing in self._board.waiting(now)}
+        return [(e, waiting.get(e.key, [])) for e in list(self._mine.values())]
 
-    def _start_thread(self):
-        if self._thread is None and not self._stopped:
-            self._thread = threading.Thread(target=self._thread_main, daemon=True,
-                                            name=f"ringtrain-hvd-set{self.set_id}")
-            self._thread.start()
-
-    def drive(self, pending):
-        """Run the set's ops on this thread until ``pending`` is done (or another thread is running them)."""
-        while not pending.finished:
-            if not self._take_driver(blocking=False):
-                # Another thread is running the set (the channel's, or the watch reading a leader's mail
-                # for a moment): it may finish this op, or hand the set back soon.
-                pending.wait(0.002)
-                continue
-            try:
-                self._drive_until(pending.done)
-            finally:
-                self._release_driver()
-
-    def close(self, reason, handshake=False):
-        """Stop taking ops: those not run yet fail with ``reason`` on every member (any thread; returns at once).
-
-        ``handshake``: every member confirms (for a set whose communicators are about to be freed).
-        """
-        with self._cond:
-            self._handshake = self._handshake or handshake
-            if self._closing is None and self._closed is None:
-                self._closing = reason
-            self._start_thread()  # a leader that never submitted must still tell its members
-            self._cond.notify_all()
-
-    def finish_close(self, timeout=None):
-        """Drive until this channel is closed (after :meth:`close`); True when it is."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._closed is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            if self._take_driver(blocking=True, timeout=0.05):
-                try:
-                    self._drive_until(lambda: self._closed is not None, deadline)
-                finally:
-                    self._release_driver()
-        return True
-
-    def stop(self):
-        """End the channel's thread (after it is closed)."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)
-
-    def entries(self):
-        """``[(entry, missing ranks)]``: this rank's ops in flight, oldest first (for the engine's watch)."""
-        found = list(self._mine.values()) + list(self._queue)
-        waiting = {key: missing for key, _, missing in self._board.waiting(time.monotonic())}
-        return [(e, waiting.get(e.key, [])) for e in sorted(found, key=lambda e: e.submitted)]
-
-    def idle_poll(self, now):
-        """A leader reads its mail while it has nothing to run (the engine's watch calls it), to see stalls."""
-        if not self.is_leader or self._has_work() or not self._take_driver(blocking=False):
-            return
-        try:
-            self._step(now)
-        finally:
-            self._release_driver()
-
-    # Driving.
-
-    def _take_driver(self, blocking, timeout=-1):
-        if not self._driver.acquire(blocking, timeout):
-            return False
-        self._driving = True
-        return True
-
-    def _release_driver(self):
-        self._driving = False
-        self._last_drive = time.monotonic()
-        self._driver.release()
-        if self._has_work():  # left for the thread (which, watching, would look again within its interval)
-            with self._cond:
-                self._cond.notify_all()
-
-    def _drive_until(self, done, deadline=None):
-        since = now = time.monotonic()
-        while not done():
-            moved = self._step(now, done)
-            now = time.monotonic()
-            if moved:  # (a step that moved may have finished the op: no pause before done() is asked again)
-                since = now
-            elif now - since > SPIN_S:
-                if deadline is not None and now > deadline:
-                    return
-                _pause(now - since)
-
-    def _has_work(self):
-        return bool(self._queue or self._mine or self._ordered or (self._closing and not self._closed))
-
-    def _thread_main(self):
-        while self._wait_for_work():
-            if not self._take_driver(blocking=False):
-                continue
-            self._interval = CYCLE_S
-            try:
-                self._drive_until(lambda: not self._has_work() or self._stopped)
-            finally:
-                self._release_driver()
-
-    def _wait_for_work(self):
-        """Sleep until there is work nobody has come for within a cycle; False once stopped."""
-        with self._cond:
-            while not self._stopped:
-                now = time.monotonic()
-                if self._has_work() and not self._driving:
-                    oldest = min((e.submitted for e in self._queue), default=0.0)
-                    ready_at = max(oldest, self._last_drive) + CYCLE_S
-                    if now >= ready_at or self._closing:
-                        return True
-                    self._cond.wait(ready_at - now)
-                elif self._driving or now - self._last_drive < WATCH_S:
-                    # Watching while callers run the set's ops themselves: each look that finds nothing
-                    # for this thread to do doubles the time to the next, so a loop of blocking ops is
-                    # not slowed by a thread that keeps waking for the interpreter lock.
-                    self._cond.wait(self._interval)
-                    self._interval = min(2 * self._interval, WATCH_MAX_S)
-                else:
-                    self._parked = True  # asleep without a timeout: submit() wakes it
-                    self._cond.wait()
-                    self._parked = False
-            return False
-
-    def _step(self, now, done=None):
+    def step(self, now, done=None):
         """One round of work: announce, read mail (until ``done()``), order (leader), run. True if anything moved."""
         moved = False
-        if self._queue:
-            with self._lock:
-                new, self._queue = self._queue, []
+        new = self.channel.take_queue()
+        if new:
             self._announce(new, now)
             moved = True
-        closing = self._closing if self._closed is None else None
+        closing = self.channel.closing_reason()
         if self._others:
             moved |= self._receive(now, done)
         if self._answers:
-            self._send_all(("a", self.rank, self._answers))
+            self._send_all(("a", (self.rank, self._answers)))
             self._answers = []
         if self._to_order:
             self._flush_orders()
@@ -342,9 +175,10 @@ class Channel:
                 self._sends.append(request)
 
     def _announce(self, entries, now):
-        if self._closed is not None:
+        closed = self.channel.closed
+        if closed is not None:
             for e in entries:
-                self._complete(e, error=HorovodInternalError(f"{e.label}: {self._closed}"))
+                self._complete(e, error=HorovodInternalError(f"{e.label}: {closed}"))
             return
         items, complete = [], []
         for e in entries:
@@ -355,41 +189,42 @@ class Channel:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
                                                              "while ranks are joined"))
                 continue
-            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if e.local else None), now):
+            if self._board.add(self.rank, e.key, Announcement(e.record, e.info, e.args[0] if e.local else None),
+                               now):
                 complete.append(e.key)
             if e.key == JOIN and self.is_leader:
                 self._join_order.append(self.rank)
             if not self._others:
                 continue
-            meta_id, new = self._meta_id(e.meta)
-            items.append((e.key, meta_id, e.meta if new else None, e.info, data))
+            record_id, new = self._record_id(e.record)
+            items.append((e.key, record_id, e.record if new else None, e.info, data))
             if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
                 self._answer_all(now, complete)
         if items:
-            self._send_all(("a", self.rank, items))
+            self._send_all(("a", (self.rank, items)))
         if JOIN in self._board:
             self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
 
-    def _meta_id(self, meta):
-        """``(id, new)``: the id ``meta`` is announced under, and whether it must go with it this once."""
-        found = self._meta_ids.get(id(meta))  # metas are kept one per kind of op (ops_async): ids are cheap keys
-        if found is not None and found[0] is meta:
-            return found[1], False
-        if len(self._meta_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its meta,
-            self._meta_ids.clear()       # so the members' tables of ids stay as small)
-            self._next_meta_id = 0
-        self._next_meta_id += 1
-        self._meta_ids[id(meta)] = (meta, self._next_meta_id)  # the meta kept alive: its id is not reused
-        return self._next_meta_id, True
+    def _record_id(self, record):
+        """``(id, new)``: the id ``record`` is announced under, and whether it must go with it this once."""
+        kept, record_id = self._record_ids.get(id(record), (None, None))  # one record per distinct op (ops): cheap keys
+        if kept is record:
+            return record_id, False
+        if len(self._record_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its record,
+            self._record_ids.clear()       # so the members' tables of ids stay as small)
+            self._next_record_id = 0
+        self._next_record_id += 1
+        self._record_ids[id(record)] = (record, self._next_record_id)  # kept alive: its id is not reused
+        return self._next_record_id, True
 
     def _data_of(self, entry):
         """A small op's bytes, sent with its announcement (an allreduce's input; a broadcast's, from its root)."""
         if not entry.local or not self._others:
             return None
-        if entry.kind == "broadcast" and self.ranks[dict(entry.meta)["root"]] != self.rank:
+        if entry.kind == "broadcast" and self.ranks[entry.record.root] != self.rank:
             return None
         return kernels.raw_bytes(entry.args[0])
 
@@ -402,29 +237,31 @@ class Channel:
             if message is None:
                 return moved
             moved = True
-            kind, *body = message.recv()
+            kind, body = message.recv()
             if kind == "a":
-                self._heard(body[0], body[1], now)
+                self._heard(*body, now)
                 if done is not None and done():
                     return True
             elif kind == "d":
                 self._batch += 1
-                self._ordered.extend((self._batch, *order) for order in body[0])
+                self._ordered.extend((self._batch, *order) for order in body)
             elif kind == "k":  # a member's answer to the leader's word that the set is closed
-                self._acks.add(body[0])
+                self._acks.add(body)
             else:  # the leader has closed the set: so must this member
-                self._leader_closed = body[0]
-                self.close(body[0])
+                self._leader_closed = body
+                self.channel.close(body)
 
     def _heard(self, rank, items, now):
-        metas = self._metas.setdefault(rank, {})
+        records = self._records.setdefault(rank, {})
         complete = []
-        for key, meta_id, meta, info, data in items:
-            if meta is not None:
-                metas[meta_id] = meta
+        for key, record_id, record, info, data in items:
+            if record is not None:
+                records[record_id] = record
+            else:
+                record = records[record_id]
             if key in self._failed_joined:
                 continue  # failed here already: a rank has joined, and only allreduces run
-            if self._board.add(rank, key, (metas[meta_id], info, data), now):
+            if self._board.add(rank, key, Announcement(record, info, data), now):
                 complete.append(key)
             if key == JOIN:
                 if self.is_leader:
@@ -432,7 +269,7 @@ class Channel:
                 self._check_joined(self._board.keys(), now)
                 continue
             if JOIN in self._board:
-                if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
+                if JOIN in self._mine and not self._board.has(key, self.rank) and record.kind == "allreduce":
                     self._answer(key, now, complete)
                 self._check_joined([key], now)
         for key in complete:
@@ -442,7 +279,7 @@ class Channel:
     def _answer_all(self, now, complete):
         for key in self._board.keys():
             announced = self._board.partial(key)
-            kind = next((a[0][0][1] for a in announced.values()), None)
+            kind = next((a.record.kind for a in announced.values()), None)
             if key != JOIN and not self._board.has(key, self.rank) and kind == "allreduce":
                 self._answer(key, now, complete)
 
@@ -466,9 +303,9 @@ class Channel:
 
     def _answer(self, key, now, complete):
         """This rank has joined: it answers an op it did not submit with JOINED (zeros, for an allreduce)."""
-        meta_id, new = self._meta_id(JOINED)
-        self._answers.append((key, meta_id, JOINED if new else None, None, None))
-        if self._board.add(self.rank, key, (JOINED, None, None), now):
+        record_id, new = self._record_id(JOINED)
+        self._answers.append((key, record_id, JOINED if new else None, None, None))
+        if self._board.add(self.rank, key, Announcement(JOINED), now):
             complete.append(key)
 
     def _heard_all(self, key, now):
@@ -498,15 +335,15 @@ class Channel:
         """A small op whose data every rank has: the result is computed here, as on every member."""
         entry = self._mine.pop(key, None)
         if entry is not None:
-            data = [announced[r][2] for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
+            data = [announced[r].data for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
             out = entry.args[1] if len(entry.args) > 1 else None
             timeline = self.engine.timeline
-            try:  # (kernels write a parameter's data under no_grad where they use torch; NumPy needs none)
+            try:
                 if timeline is None:
-                    result = kernels.run_local(v.meta, data, out)
+                    result = kernels.run_local(v.record, data, out)
                 else:
                     with timeline.span(entry.label + " (local)", tid=1):
-                        result = kernels.run_local(v.meta, data, out)
+                        result = kernels.run_local(v.record, data, out)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
                 self._complete(entry, error=_as_runtime_error(exc))
             else:
@@ -550,8 +387,8 @@ class Channel:
                 continue
             group = [self._decision(key)]
             decision, entry = group[0]
-            if entry.kind in kernels.FUSABLE and not _grouped(decision.meta):
-                group += self._fusable(batch, entry.kind, decision.meta)
+            if entry.kind in kernels.FUSABLE and type(decision.record) is not Grouped:
+                group += self._fusable(batch, decision.record)
             self._run(group)
             for d, _ in group:
                 self._done(d.name, now)
@@ -560,51 +397,53 @@ class Channel:
     def _decision(self, key):
         """``(Decision, entry)`` for an ordered op: this rank's entry, or zeros if it answered JOINED."""
         announced = self._board.announcements(key)
-        mine = announced[self.rank][0]
-        meta = next(a[0] for a in announced.values() if a[0] != JOINED)
-        infos = [announced[r][1] for r in self.ranks]
+        record = next(a.record for a in announced.values() if a.record != JOINED)
+        infos = [announced[r].info for r in self.ranks]
         entry = self._mine.pop(key, None)
-        if mine == JOINED:
-            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", meta, None,
-                          kernels.stand_in_args(meta), Pending())
-        return Decision(key, meta, infos), entry
+        if announced[self.rank].record == JOINED:
+            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", record, None,
+                          kernels.stand_in_args(record), Pending())
+        return Decision(key, record, infos), entry
 
-    def _fusable(self, batch, kind, meta):
+    def _fusable(self, batch, record):
         """The ordered ops right after this one that fuse with it (the same on every member)."""
-        key, total, group = kernels.fuse_key(meta), kernels.nbytes(meta), []
+        key, total, group = record.fuse_key(), record.nbytes, []
         while self._ordered:
             b, k, action, _ = self._ordered[0]
             if b != batch or action != RUN or not self._board.complete(k):
                 break
-            other = next(a[0] for a in self._board.announcements(k).values() if a[0] != JOINED)
-            if (other[0][1] != kind or _grouped(other) or kernels.fuse_key(other) != key
-                    or total + kernels.nbytes(other) > FUSION_BYTES):
+            other = next(a.record for a in self._board.announcements(k).values() if a.record != JOINED)
+            if (type(other) is not type(record) or other.fuse_key() != key
+                    or total + other.nbytes > self._fusion_bytes):
                 break
             self._ordered.popleft()
-            total += kernels.nbytes(other)
+            total += other.nbytes
             group.append(self._decision(k))
         return group
 
     def _run(self, group):
         decision, entry = group[0]
-        if _grouped(decision.meta):
+        if type(decision.record) is Grouped:
             results = kernels.GroupResults(len(entry.args), lambda values, error: self._complete(entry, values, error))
-            parts = [(Decision(f"{entry.key}#{i}", meta, infos),
-                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, meta, None, args, results.part(i)))
-                     for i, (meta, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
+            parts = [(Decision(f"{entry.key}#{i}", record, infos),
+                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, record, None, args, results.part(i)))
+                     for i, (record, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
             self._run_parts(parts, entry.kind)
             return
+        if entry.kind == "call":  # an engine change (a process set added or removed, the timeline stopped)
+            try:
+                result = self.engine.run_call(decision.record, entry.args, self.data)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+                return self._complete(entry, error=_as_runtime_error(exc))
+            return self._complete(entry, result)
         timeline = self.engine.timeline
         try:
-            # Whatever thread runs it, an op writes its outputs as data, not as autograd ops: an in-place op on
-            # a parameter is allowed (under the caller's no_grad, which this thread may not share).
-            with torch.no_grad():
-                if timeline is None:
+            if timeline is None:
+                results = kernels.run(entry.kind, self.data, group)
+            else:
+                name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+                with timeline.span(name, tid=1):
                     results = kernels.run(entry.kind, self.data, group)
-                else:
-                    name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-                    with timeline.span(name, tid=1):
-                        results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             for _, e in group:
                 self._complete(e, error=_as_runtime_error(exc))
@@ -619,10 +458,11 @@ class Channel:
             group = [parts[i]]
             i += 1
             if kind in kernels.FUSABLE:
-                key, total = kernels.fuse_key(group[0][0].meta), kernels.nbytes(group[0][0].meta)
-                while (i < len(parts) and kernels.fuse_key(parts[i][0].meta) == key
-                       and total + kernels.nbytes(parts[i][0].meta) <= FUSION_BYTES):
-                    total += kernels.nbytes(parts[i][0].meta)
+                first = group[0][0].record
+                key, total = first.fuse_key(), first.nbytes
+                while (i < len(parts) and parts[i][0].record.fuse_key() == key
+                       and total + parts[i][0].record.nbytes <= self._fusion_bytes):
+                    total += parts[i][0].record.nbytes
                     group.append(parts[i])
                     i += 1
             self._run(group)
@@ -630,7 +470,7 @@ class Channel:
     def _complete(self, entry, result=None, error=None):
         # The name is free before anyone waiting hears of it, so a caller may reuse it at once. (No lock:
         # a set's discard is atomic, and no submit can be adding this key while its op is in flight.)
-        self._in_flight.discard(entry.key)
+        self.channel.in_flight.discard(entry.key)
         if error is not None:
             entry.pending.fail(error)
         else:
@@ -656,22 +496,20 @@ class Channel:
                 if self._others:
                     self._send_all(("c", reason))
                 self._told = True
-            if self._handshake and len(self._acks) < len(self._others):
+            if self.channel.handshake and len(self._acks) < len(self._others):
                 return False
         else:
-            if self._leader_closed is None and (self._handshake or self._mine or self._ordered):
+            if self._leader_closed is None and (self.channel.handshake or self._mine or self._ordered):
                 return False
-            if self._handshake and not self._told:
+            if self.channel.handshake and not self._told:
                 self._send(self.leader, ("k", self.rank))
                 self._told = True
         self._run_ordered(now)
-        with self._cond:
-            self._closed = self._leader_closed or reason
-            left, self._queue = list(self._mine.values()) + self._queue, []
-            self._mine = {}
-            self._closing = None
+        closed = self._leader_closed or reason
+        left = list(self._mine.values()) + self.channel.set_closed(closed)
+        self._mine = {}
         for e in left:
-            self._complete(e, error=HorovodInternalError(f"{e.label}: {self._closed}"))
+            self._complete(e, error=HorovodInternalError(f"{e.label}: {closed}"))
         return True
 
     def _inspect(self, now):
@@ -689,16 +527,12 @@ class Channel:
         if message is None:
             return
         self._last_warning = now
-        sys.stderr.write(f"[ringtrain.torch] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
+        sys.stderr.write(f"[ringtrain.engine] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
         sys.stderr.flush()
         if shut_down:
             late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
             self.engine.stall_shutdown(f"process set {self.set_id} stalled: rank(s) {late} kept an op waiting "
                                        f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
-
-
-def _grouped(meta):
-    return len(meta) > 1 and meta[1][0] == "parts"
 
 
 def _label_of(key):
@@ -707,19 +541,3 @@ def _label_of(key):
 
 def _as_runtime_error(exc):
     return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
-
-
-def _pause(waited):
-    """Between polls for a message: spin, then yield the core, then sleep longer the longer the wait has lasted.
-
-    A peer that answers within microseconds is caught spinning; yielding
-    (as ringtrain's shared-memory barrier does) keeps that latency while
-    giving the core to whoever needs it when ranks outnumber cores; a wait
-    past a few milliseconds means a late peer, and sleeping costs nothing.
-    """
-    if waited < YIELD_S:
-        os.sched_yield()
-    elif waited < 0.1:
-        time.sleep(CYCLE_S)
-    else:
-        time.sleep(SLOW_S)

@@ -6,7 +6,7 @@ rank (collective, in the same order everywhere) and get ids 1, 2, ...
 
 :class:`ProcessSets` is the one place that owns a set's communicators: the
 engine's two (``data`` for the collectives, ``control`` for matching them;
-:class:`~ringtrain.torch.channel.Channel`) and, made on first use, the one
+:class:`~ringtrain.engine.channel.Channel`) and, made on first use, the one
 Horovod's helpers run over on the caller's thread (``broadcast_parameters``,
 ``DistributedOptimizer``; :func:`communicator_of`). Two threads must never
 run collectives on one communicator, hence the separate ones. They are
@@ -17,17 +17,22 @@ may wait in ``shutdown`` for a peer that has not shut down; and a freed
 communicator's id may be reused by the next ``init`` while a late peer's
 message to the old one is still on its way.
 
-The running runtime's sets are reached through :data:`global_process_set`,
-which ``init`` binds to them and ``shutdown`` unbinds: Horovod's API is
-module-level (``hvd.add_process_set(...)``), and this is its one anchor here.
+The engine (:class:`~ringtrain.engine.core.Engine`) owns the running
+runtime's :class:`ProcessSets` and adds and removes sets itself
+(:meth:`~ringtrain.engine.core.Engine.add_process_set`), as an op every rank
+runs in the same order; the sets know nothing of the engine. Horovod's API
+is module-level (``set.rank()``, ``communicator_of(set)``), so the running
+sets are reached through one anchor, this module's binding, which ``init``
+makes (:func:`bind`) and ``shutdown`` drops.
 """
 
 from ..comm import release
 
-__all__ = ["ProcessSet", "ProcessSets", "global_process_set", "add_process_set", "remove_process_set",
-           "communicator_of", "included", "set_rank"]
+__all__ = ["ProcessSet", "ProcessSets", "global_process_set", "bind", "bound", "communicator_of", "included",
+           "set_rank"]
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+_bound = []  # the running runtime's ProcessSets, once init has bound them: the one anchor
 
 
 class ProcessSet:
@@ -41,7 +46,6 @@ class ProcessSet:
     def __init__(self, ranks_or_comm):
         self.process_set_id = None
         self.mpi_comm = None
-        self.registry = None  # the ProcessSets it is registered with
         if hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm
             self.ranks = None  # translated to the runtime's ranks when registered
@@ -49,9 +53,10 @@ class ProcessSet:
             self.ranks = sorted({int(r) for r in ranks_or_comm})
 
     def _require(self):
-        if self.process_set_id is None or self.registry is None:
+        sets = _bound[0] if _bound else None
+        if sets is None or sets.sets.get(self.process_set_id) is not self:
             raise ValueError("this process set is not registered; call hvd.add_process_set() on every rank")
-        return self.registry
+        return sets
 
     def size(self):
         """Number of ranks in the set."""
@@ -80,7 +85,7 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self):
-        return list(range(self.registry.size)) if self.registry is not None else []
+        return list(range(_bound[0].size)) if _bound else []
 
     @ranks.setter
     def ranks(self, value):
@@ -93,47 +98,42 @@ global_process_set = _GlobalProcessSet()
 class ProcessSets:
     """The process sets of one runtime: ranks by id, and every communicator they own.
 
-    Collective over ``comm`` (``init`` makes it on every rank). ``engine`` is
-    set by ``init`` once the engine exists; sets are added and removed
-    through it, on every rank in the same order.
+    Collective over ``comm`` (``init`` makes it on every rank). The engine
+    that owns it adds and removes sets, on every rank in the same order
+    (:meth:`register`, :meth:`unregister`).
     """
 
     def __init__(self, comm):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.engine = None
         self.sets = {0: global_process_set}
         self.next_id = 1
         data = comm.Dup()
         self._comms = {0: [data, data.Dup(), comm]}  # id -> [data, control, caller's (None until asked)]
-        global_process_set.registry = self
 
     def engine_comms(self, set_id):
         """``(data, control)``: the engine's communicators of a set this rank is in."""
         data, control, _ = self._comms[set_id]
         return data, control
 
-    def add(self, ps):
-        """Register ``ps`` on every rank (collective over every rank); returns it."""
-        problem = self._problem(ps)
-        ranks = tuple(ps.ranks or ())
-        if problem is not None:
-            self.engine.refuse("add_process_set", problem)
-            raise ValueError(problem)
+    def register(self, ps, ranks, comm):
+        """Give ``ps`` the next id and, on its members, its communicators (collective over ``comm``, every rank).
 
-        def make(comm):  # on every rank, in the order of the global set's ops
-            set_id, self.next_id = self.next_id, self.next_id + 1
-            if self.rank in ranks:
-                group = comm.Get_group().Incl(list(ranks))
-                data = comm.Create_group(group)  # collective over the set's ranks only
-                group.Free()
-                self._comms[set_id] = [data, data.Dup(), None]
-                self.engine.add_channel(set_id, ranks, *self.engine_comms(set_id))
-            ps.process_set_id, ps.registry = set_id, self
-            self.sets[set_id] = ps
-            return ps
+        Returns the id. Run by the engine on every rank in the global set's order.
+        """
+        set_id, self.next_id = self.next_id, self.next_id + 1
+        if self.rank in ranks:
+            group = comm.Get_group().Incl(list(ranks))
+            data = comm.Create_group(group)  # collective over the set's ranks only
+            group.Free()
+            self._comms[set_id] = [data, data.Dup(), None]
+        ps.process_set_id = set_id
+        self.sets[set_id] = ps
+        return set_id
 
-        return self.engine.call("add_process_set", make, meta=(("ranks", ranks),))
+    def problem(self, ps):
+        """Why ``ps`` cannot be added, as one line, or None (a communicator's ranks are translated here)."""
+        return self._problem(ps)
 
     def _problem(self, ps):
         if ps.process_set_id is not None:
@@ -150,22 +150,21 @@ class ProcessSets:
             return f"add_process_set: ranks must lie in 0..{self.size - 1}, got {ps.ranks}"
         return None
 
-    def remove(self, ps):
-        """Unregister ``ps`` on every rank and free its communicators (collective over every rank)."""
+    def removable(self, ps):
+        """``ps``'s id, once checked that it may be removed (ValueError on this rank if not)."""
         set_id = ps.process_set_id
         if set_id == 0:
             raise ValueError("the global process set cannot be removed")
-        if set_id not in self.sets:
+        if set_id not in self.sets or self.sets[set_id] is not ps:
             raise ValueError(f"remove_process_set: {ps} is not registered")
+        return set_id
 
-        def drop(comm):
-            self.engine.drop_channel(set_id, f"process set {set_id} was removed")
-            self.free(set_id)
-            self.sets.pop(set_id, None)
-            ps.process_set_id, ps.registry = None, None
-            return True
-
-        return self.engine.call("remove_process_set", drop, meta=(("id", set_id),))
+    def unregister(self, set_id):
+        """Forget a set and free its communicators (collective over every rank, in the global set's order)."""
+        self.free(set_id)
+        ps = self.sets.pop(set_id, None)
+        if ps is not None:
+            ps.process_set_id = None
 
     def communicator(self, ps):
         """The communicator Horovod's helpers run over for ``ps`` (made on first use: collective over its ranks)."""
@@ -193,32 +192,22 @@ class ProcessSets:
         """At shutdown: forget every set (their communicators are left to ``MPI_Finalize``); unbind."""
         for ps in self.sets.values():
             if ps is not global_process_set:
-                ps.process_set_id, ps.registry = None, None
+                ps.process_set_id = None
         self._comms, self.sets = {}, {}
-        if global_process_set.registry is self:
-            global_process_set.registry = None
+        if _bound and _bound[0] is self:
+            _bound.clear()
 
 
-def _sets():
-    registry = global_process_set.registry
-    if registry is None:
+def bind(sets):
+    """Make ``sets`` the running runtime's (``init``); :meth:`ProcessSets.close` unbinds them."""
+    _bound[:] = [sets]
+
+
+def bound():
+    """The running runtime's :class:`ProcessSets`; ValueError (as Horovod's) before ``init``."""
+    if not _bound:
         raise ValueError(NOT_INITIALIZED)
-    return registry
-
-
-def add_process_set(process_set):
-    """Register a process set (a :class:`ProcessSet`, a list of ranks or a communicator) on every rank.
-
-    Collective: every rank must call it, in the same order as other
-    process-set changes. Returns the registered :class:`ProcessSet`.
-    """
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    return _sets().add(ps)
-
-
-def remove_process_set(process_set):
-    """Unregister a process set on every rank and free its communicators (collective over every rank)."""
-    return _sets().remove(process_set)
+    return _bound[0]
 
 
 def _is_global(process_set):
@@ -236,12 +225,12 @@ def communicator_of(process_set=None):
     A subset gets one of its own, made from the runtime's on first use
     (collective over the set's ranks) and freed with the set.
     """
-    registry = _sets()
+    sets = bound()
     if _is_global(process_set):
-        return registry.comm
-    if getattr(process_set, "process_set_id", None) is None or process_set.registry is not registry:
+        return sets.comm
+    if sets.sets.get(getattr(process_set, "process_set_id", None)) is not process_set:
         raise ValueError(f"{process_set!r} is not registered; call hvd.add_process_set() on every rank")
-    return registry.communicator(process_set)
+    return sets.communicator(process_set)
 
 
 def set_rank(process_set, rank):

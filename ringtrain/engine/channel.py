@@ -1,0 +1,250 @@
+"""Who drives a process set's ops: the queue any thread submits to, and the thread that runs them when nobody does.
+
+The engine (:mod:`ringtrain.engine.core`) keeps a :class:`Channel` for every
+process set this rank belongs to. Any thread may call its public methods
+(submit, drive, close, the watch's looks); they share the queue, the names in
+flight and whether the set is closing, under the channel's lock. What a
+set's members say to each other is the :class:`~ringtrain.engine.protocol.Protocol`
+(:mod:`ringtrain.engine.protocol`), which only the thread holding the driver
+lock runs, and which therefore takes no lock of its own.
+
+Who runs it. Whoever holds the channel's driver lock: the caller's own
+thread inside ``synchronize`` (no hand-off, the common case), or else the
+channel's thread, which takes over ops nobody has come for within one
+cycle (``HOROVOD_CYCLE_TIME``, 1 ms; :mod:`ringtrain.engine.settings`) and
+sleeps, costing nothing, while the set is idle. Only the driver calls MPI on
+the set's communicators.
+"""
+
+import os
+import threading
+import time
+
+from .errors import DuplicateNameError, HorovodInternalError
+from .protocol import Entry, Protocol
+
+__all__ = ["Channel", "Entry"]
+
+WATCH_S = 0.1       # the thread keeps watching this long after the set was last busy, then sleeps
+WATCH_MAX_S = 0.008  # the longest it waits between looks while watching
+SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
+YIELD_S = 0.005     # how long it yields before it starts to sleep
+SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
+
+
+class Channel:
+    """One process set's queue, names in flight and driver; its :class:`~ringtrain.engine.protocol.Protocol`.
+
+    Args:
+        engine: the :class:`~ringtrain.engine.core.Engine` (its rank, settings, reports, timeline).
+        set_id: the process set's id.
+        ranks: the set's ranks (of the runtime's communicator), in order.
+        data, control: communicators over ``ranks``, in that order.
+    """
+
+    def __init__(self, engine, set_id, ranks, data, control):
+        self.engine, self.set_id = engine, set_id
+        self.protocol = Protocol(self, engine, set_id, ranks, data, control)
+        self.leader, self.is_leader = self.protocol.leader, self.protocol.is_leader
+        self._lock = threading.Lock()          # the queue's; taken bare where nobody waits (cheaper than _cond)
+        self._cond = threading.Condition(self._lock)
+        self._driver = threading.Lock()
+        self._driving = False
+        self._queue = []                       # submitted, not yet announced
+        self.in_flight = set()                 # keys from submit until the op completes
+        self._closing = None
+        self.closed = None                     # why the set's ops fail, once it has closed
+        self.handshake = False                 # closing for good: members answer the leader's word
+        self._stopped = False
+        self._parked = False
+        self._last_drive = 0.0
+        self._thread = None
+        self._cycle_s = engine.settings.cycle_s
+        self._interval = self._cycle_s
+
+    # What the protocol asks of the queue (on the driver's thread).
+
+    def take_queue(self):
+        """The ops submitted since the last call (the driver announces them)."""
+        if not self._queue:
+            return self._queue
+        with self._lock:
+            new, self._queue = self._queue, []
+        return new
+
+    def closing_reason(self):
+        """Why the set is closing, while it is and has not closed; else None."""
+        return self._closing if self.closed is None else None
+
+    def set_closed(self, reason):
+        """The set has closed with ``reason``: no op is taken from now on; returns the ops still queued."""
+        with self._cond:
+            self.closed = reason
+            left, self._queue = self._queue, []
+            self._closing = None
+        return left
+
+    # The caller's side.
+
+    def submit(self, entry):
+        """Queue ``entry``; ValueError if its name is in flight here; HorovodInternalError once closed."""
+        entry.pending.channel = self
+        with self._lock:
+            reason = self.closed or self._closing
+            if reason is not None:
+                raise HorovodInternalError(f"{entry.label}: {reason}")
+            if entry.key in self.in_flight:
+                raise DuplicateNameError(f"{entry.label}: an op of this name is already in flight on this rank; "
+                                         "wait for it (synchronize) or use another name")
+            self.in_flight.add(entry.key)
+            self._queue.append(entry)
+            if self._thread is None:
+                self._start_thread()
+            elif self._parked:
+                self._cond.notify()
+
+    def _start_thread(self):
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(target=self._thread_main, daemon=True,
+                                            name=f"ringtrain-hvd-set{self.set_id}")
+            self._thread.start()
+
+    def drive(self, pending):
+        """Run the set's ops on this thread until ``pending`` is done (or another thread is running them)."""
+        while not pending.finished:
+            if not self._take_driver(blocking=False):
+                # Another thread is running the set (the channel's, or the watch reading a leader's mail
+                # for a moment): it may finish this op, or hand the set back soon.
+                pending.wait(0.002)
+                continue
+            try:
+                self._drive_until(pending.done)
+            finally:
+                self._release_driver()
+
+    def close(self, reason, handshake=False):
+        """Stop taking ops: those not run yet fail with ``reason`` on every member (any thread; returns at once).
+
+        ``handshake``: every member confirms (for a set whose communicators are about to be freed).
+        """
+        with self._cond:
+            self.handshake = self.handshake or handshake
+            if self._closing is None and self.closed is None:
+                self._closing = reason
+            self._start_thread()  # a leader that never submitted must still tell its members
+            self._cond.notify_all()
+
+    def finish_close(self, timeout=None):
+        """Drive until this channel is closed (after :meth:`close`); True when it is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.closed is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            if self._take_driver(blocking=True, timeout=0.05):
+                try:
+                    self._drive_until(lambda: self.closed is not None, deadline)
+                finally:
+                    self._release_driver()
+        return True
+
+    def stop(self):
+        """End the channel's thread (after it is closed)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def entries(self):
+        """``[(entry, missing ranks)]``: this rank's ops in flight, oldest first (for the engine's watch)."""
+        found = self.protocol.in_flight(time.monotonic()) + [(e, []) for e in list(self._queue)]
+        return sorted(found, key=lambda pair: pair[0].submitted)
+
+    def idle_poll(self, now):
+        """A leader reads its mail while it has nothing to run (the engine's watch calls it), to see stalls."""
+        if not self.is_leader or self._has_work() or not self._take_driver(blocking=False):
+            return
+        try:
+            self.protocol.step(now)
+        finally:
+            self._release_driver()
+
+    # Driving.
+
+    def _take_driver(self, blocking, timeout=-1):
+        if not self._driver.acquire(blocking, timeout):
+            return False
+        self._driving = True
+        return True
+
+    def _release_driver(self):
+        self._driving = False
+        self._last_drive = time.monotonic()
+        self._driver.release()
+        if self._has_work():  # left for the thread (which, watching, would look again within its interval)
+            with self._cond:
+                self._cond.notify_all()
+
+    def _drive_until(self, done, deadline=None):
+        since = now = time.monotonic()
+        while not done():
+            moved = self.protocol.step(now, done)
+            now = time.monotonic()
+            if moved:  # (a step that moved may have finished the op: no pause before done() is asked again)
+                since = now
+            elif now - since > SPIN_S:
+                if deadline is not None and now > deadline:
+                    return
+                _pause(now - since, self._cycle_s)
+
+    def _has_work(self):
+        return bool(self._queue or self.protocol.busy() or (self._closing and not self.closed))
+
+    def _thread_main(self):
+        while self._wait_for_work():
+            if not self._take_driver(blocking=False):
+                continue
+            self._interval = self._cycle_s
+            try:
+                self._drive_until(lambda: not self._has_work() or self._stopped)
+            finally:
+                self._release_driver()
+
+    def _wait_for_work(self):
+        """Sleep until there is work nobody has come for within a cycle; False once stopped."""
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                if self._has_work() and not self._driving:
+                    oldest = min((e.submitted for e in self._queue), default=0.0)
+                    ready_at = max(oldest, self._last_drive) + self._cycle_s
+                    if now >= ready_at or self._closing:
+                        return True
+                    self._cond.wait(ready_at - now)
+                elif self._driving or now - self._last_drive < WATCH_S:
+                    # Watching while callers run the set's ops themselves: each look that finds nothing
+                    # for this thread to do doubles the time to the next, so a loop of blocking ops is
+                    # not slowed by a thread that keeps waking for the interpreter lock.
+                    self._cond.wait(self._interval)
+                    self._interval = min(2 * self._interval, WATCH_MAX_S)
+                else:
+                    self._parked = True  # asleep without a timeout: submit() wakes it
+                    self._cond.wait()
+                    self._parked = False
+            return False
+
+
+def _pause(waited, cycle_s):
+    """Between polls for a message: spin, then yield the core, then sleep longer the longer the wait has lasted.
+
+    A peer that answers within microseconds is caught spinning; yielding
+    (as ringtrain's shared-memory barrier does) keeps that latency while
+    giving the core to whoever needs it when ranks outnumber cores; a wait
+    past a few milliseconds means a late peer, and sleeping costs nothing.
+    """
+    if waited < YIELD_S:
+        os.sched_yield()
+    elif waited < 0.1:
+        time.sleep(cycle_s)
+    else:
+        time.sleep(SLOW_S)
