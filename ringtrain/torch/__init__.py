@@ -58,5 +58,3 @@ __all__ += ["allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "br
 __all__ += ["Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
             "DistributedOptimizer", "SyncBatchNorm"]
 from . import elastic  # noqa: E402,F401 - hvd.elastic: Horovod's elastic API (ringtrain.torch.elastic)
-
-del sys, EnvironmentValueError  # used only at the import above
