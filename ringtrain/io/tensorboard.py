@@ -6,7 +6,7 @@ epoch's mean (the figure the console's epoch line prints), and
 exactly that many steps. metrics.jsonl's train events are cut at each
 epoch's end as well, so drawn as they are their windows differ in length
 and the curve zigzags; here the pieces are joined back into whole windows
-(:class:`Windows`).
+(``Windows``).
 
 The writer is tensorboardX's (``pip install tensorboardX``, or the
 ``ringtrain[tensorboard]`` extra), the only import of it in ringtrain: pure

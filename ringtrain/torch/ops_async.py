@@ -19,6 +19,8 @@ from .kernels import LOCAL_BYTES, check_tensor, dtype_name
 from .negotiation import JOIN, op_key
 from .process_sets import global_process_set
 from .reduce_ops import Average, Sum, op_name
+# Horovod's timeline calls, kept beside init (which starts one for HOROVOD_TIMELINE) and shutdown (which ends it).
+from .runtime import start_timeline, stop_timeline
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
@@ -298,30 +300,3 @@ def barrier(process_set=global_process_set):
     """Wait until every rank of the process set has reached the barrier (collective over the set)."""
     pending = submit("barrier", None, process_set, lambda: ((("kind", "barrier"),), None, ()))
     handles.synchronize(handles.register(pending))
-
-
-def start_timeline(file_path, mark_cycles=False):
-    """Start recording every op this rank runs; ``stop_timeline`` writes them to ``file_path`` (collective)."""
-    from ..training.timeline import Timeline
-
-    engine = runtime.current().engine
-    engine.timeline = Timeline(runtime.rank())
-    engine.timeline_path = str(file_path)
-
-
-def stop_timeline():
-    """Stop recording; rank 0 writes every rank's ops to the path given to ``start_timeline`` (collective)."""
-    from ..training.timeline import Timeline
-
-    engine = runtime.current().engine
-    timeline, path = engine.timeline, engine.timeline_path
-    engine.timeline = None
-    events = timeline.events if timeline is not None else []
-
-    def gather(comm):
-        everyone = comm.gather(events, root=0)
-        if comm.Get_rank() == 0 and path:
-            Timeline.write(path, everyone)
-        return True
-
-    engine.call("stop_timeline", gather)

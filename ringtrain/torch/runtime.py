@@ -9,23 +9,45 @@ Horovod's API is a module-level runtime that every call consults, so this
 module keeps one (:func:`current`), made by :func:`init` and dropped by
 :func:`shutdown`.
 
+Horovod's variables are read here too: ``HOROVOD_TIMELINE`` (rank 0's value)
+starts the engine's timeline at ``init``, as ``hvd.start_timeline`` does,
+and ``shutdown`` writes it; each variable of Horovod's that ringtrain.torch
+does not act on, set on rank 0, is named in one warning line there
+(``unserved_lines``), not ignored in silence.
+
 Collective: every rank of the communicator must call :func:`init`, and
 :func:`shutdown` (it runs at exit too).
 """
 
 import atexit
+import os
 import sys
 import threading
 
 from .. import backend
 from ..cluster.topology import TaskSpec, node_layout
+from ..environment import env_flag
+from ..errors import UsageError
 from .engine import Engine
 from .process_sets import ProcessSets, add_process_set
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
            "cross_rank", "is_homogeneous", "mpi_threads_supported", "communicator", "current", "Runtime",
            "cross_layout", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-           "ccl_built", "cuda_built", "rocm_built"]
+           "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "timeline_setting",
+           "unserved_lines", "UNSERVED"]
+
+# Horovod's run-time variables (its runner's config_parser.py, and its docs) that ringtrain.torch does
+# not act on. Those it serves: HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME, the three HOROVOD_STALL_*
+# (the engine) and HOROVOD_TIMELINE (here). Build-time ones (HOROVOD_WITH_*, HOROVOD_GPU_*, ...) are
+# pip's, not a run's, and go unnamed.
+UNSERVED = ("HOROVOD_CACHE_CAPACITY", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER",
+            "HOROVOD_TORUS_ALLREDUCE", "HOROVOD_AUTOTUNE", "HOROVOD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+            "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+            "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_MPI_THREADS_DISABLE", "HOROVOD_NUM_NCCL_STREAMS",
+            "HOROVOD_THREAD_AFFINITY", "HOROVOD_GLOO_TIMEOUT_SECONDS", "HOROVOD_LOG_LEVEL", "HOROVOD_LOG_HIDE_TIME",
+            "HOROVOD_ELASTIC_TIMEOUT", "HOROVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_CCL_CACHE", "HOROVOD_ENABLE_XLA_OPS")
+_WARNING = "[ringtrain.torch] WARNING "
 
 _lock = threading.Lock()
 _runtime = None
@@ -91,6 +113,93 @@ def _communicator_from(comm):
     return sub, True
 
 
+def timeline_setting(env):
+    """``(path, mark_cycles)`` from ``HOROVOD_TIMELINE`` and ``HOROVOD_TIMELINE_MARK_CYCLES`` (pure).
+
+    ``path`` is None when the timeline is off: the variable unset, blank, or
+    Horovod's ``DYNAMIC`` (only ``hvd.start_timeline`` starts it then). A
+    relative path is made absolute here, where the job started.
+    """
+    path = env.get("HOROVOD_TIMELINE", "").strip()
+    mark_cycles = env_flag(env, "HOROVOD_TIMELINE_MARK_CYCLES", everywhere=True)
+    if not path or path == "DYNAMIC":
+        return None, mark_cycles
+    return os.path.abspath(path), mark_cycles
+
+
+def unserved_lines(env):
+    """One warning line for each of Horovod's variables set in ``env`` that ringtrain.torch ignores (pure)."""
+    lines = [f"{_WARNING}{name} is set, but ringtrain.torch does not act on it: ignored"
+             for name in UNSERVED if env.get(name, "").strip()]
+    path, mark_cycles = timeline_setting(env)
+    if mark_cycles:
+        lines.append(f"{_WARNING}HOROVOD_TIMELINE_MARK_CYCLES is set, but ringtrain.torch's timeline draws each "
+                     "op, not the engine's cycles: no cycle markers")
+    return lines
+
+
+def _rank_0_settings(comm):
+    """Rank 0's timeline setting, the same on every rank, and its warnings printed there (collective)."""
+    setting = None
+    if comm.Get_rank() == 0:
+        try:
+            setting = timeline_setting(os.environ)
+            for line in unserved_lines(os.environ):
+                sys.stderr.write(line + "\n")
+        except UsageError as exc:
+            setting = str(exc)
+    setting = comm.bcast(setting, root=0)  # every rank starts the timeline, or none: its stop is collective
+    if isinstance(setting, str):
+        raise UsageError(setting, everywhere=True)
+    return setting
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Start recording every op this rank runs; ``stop_timeline`` writes them to ``file_path`` (collective).
+
+    ``mark_cycles`` is accepted, as Horovod's is; the timeline draws ops, not the engine's cycles.
+    """
+    from ..training.timeline import Timeline
+
+    engine = current().engine
+    engine.timeline = Timeline(rank())
+    engine.timeline_path = str(file_path)
+
+
+def stop_timeline():
+    """Stop recording; rank 0 writes every rank's ops to the path given to ``start_timeline`` (collective)."""
+    _stop_timeline(current().engine)
+
+
+def _stop_timeline(engine):
+    from ..training.timeline import Timeline
+
+    timeline, path = engine.timeline, engine.timeline_path
+    engine.timeline = None
+    events = timeline.events if timeline is not None else []
+
+    def gather(comm):
+        everyone = comm.gather(events, root=0)
+        if comm.Get_rank() == 0 and path:
+            Timeline.write(path, everyone)
+        return True
+
+    engine.call("stop_timeline", gather)
+
+
+def _write_timeline(runtime):
+    """Write a timeline still running at shutdown, as Horovod's is written (collective; skipped once broken)."""
+    engine = runtime.engine
+    if engine.timeline is None or engine.broken is not None:
+        return
+    from .errors import HorovodInternalError
+
+    try:
+        _stop_timeline(engine)
+    except HorovodInternalError:
+        pass  # a peer failed meanwhile: the job is ending, and its ranks have said why
+
+
 def init(comm=None, process_sets=None):
     """Start the runtime over ``comm`` (default ``MPI.COMM_WORLD``); a second call does nothing.
 
@@ -109,6 +218,7 @@ def init(comm=None, process_sets=None):
         if not runtime.threads_multiple and runtime.spec.size > 1:
             raise ValueError("ringtrain.torch needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
+        timeline_path, mark_cycles = _rank_0_settings(communicator_)
         runtime.sets = ProcessSets(communicator_)
         runtime.engine = Engine(communicator_, runtime.sets)
         runtime.sets.engine = runtime.engine
@@ -121,21 +231,29 @@ def init(comm=None, process_sets=None):
         _runtime = runtime
     for ps in process_sets or []:
         add_process_set(ps)
+    if timeline_path is not None:
+        start_timeline(timeline_path, mark_cycles)
 
 
 def shutdown():
     """Stop the runtime: fail what is pending and tell the other ranks (no-op if not started).
 
     Ops still pending here, and ops any rank submits after this, fail, as in
-    Horovod. It never waits for another rank to shut down.
+    Horovod. It never waits for another rank to shut down, but for one thing:
+    a timeline still running (``HOROVOD_TIMELINE``, or ``start_timeline``
+    with no stop) is written first, as ``stop_timeline`` does, which is
+    collective (skipped once the engine is broken).
     """
     global _runtime
+    from mpi4py import MPI
+
+    runtime = _runtime
+    if runtime is not None and not MPI.Is_finalized():
+        _write_timeline(runtime)
     with _lock:
         runtime, _runtime = _runtime, None
     if runtime is None:
         return
-    from mpi4py import MPI
-
     if MPI.Is_finalized():
         return
     runtime.engine.shutdown()

@@ -64,7 +64,7 @@ class Meter:
 
 
 def epoch_record(step, epoch, sums, seconds):
-    """The ``epoch`` event of an epoch's end: the same figures as :func:`epoch_line` (pure; None with no samples)."""
+    """The ``epoch`` event of an epoch's end: the same figures as ``epoch_line`` (pure; None with no samples)."""
     loss_sum, correct, n = sums
     if not n:
         return None
