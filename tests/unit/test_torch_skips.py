@@ -251,3 +251,17 @@ def test_the_check_catches_a_test_that_runs_a_torch_program_without_a_skip(tmp_p
     modules = {str(p): Module(str(p)) for p in sorted(tmp_path.glob("test_*.py"))}
     bad = unguarded_tests(modules, _uses_program(["elastic_train.py"]))
     assert [b.rpartition("::")[2] for b in bad] == ["test_runs"], bad
+
+
+def test_the_check_catches_an_mpi_test_that_uses_an_optional_torch_without_a_skip(tmp_path):
+    (tmp_path / "test_m.py").write_text(
+        "import pytest\ntry:\n    import torch\nexcept ImportError:\n    torch = None\n"
+        'needs = pytest.mark.skipif(torch is None, reason="")\n\n'
+        "def _model():\n    return torch.nn.Linear(2, 2)\n\n"
+        "@needs\ndef test_skips():\n    _model()\n\n"
+        "def test_uses_torch():\n    _model()\n\n"
+        "def test_plain():\n    assert 1\n")
+    module = Module(str(tmp_path / "test_m.py"))
+    assert not torch_imports(module.tree, at_import=True) and torch_imports(module.tree, optional=True)
+    assert [b.rpartition("::")[2] for b in unguarded_tests({str(tmp_path / "test_m.py"): module}, _uses_torch)] == \
+        ["test_uses_torch"]
