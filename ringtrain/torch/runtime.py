@@ -131,7 +131,7 @@ def unserved_lines(env):
     """One warning line for each of Horovod's variables set in ``env`` that ringtrain.torch ignores (pure)."""
     lines = [f"{_WARNING}{name} is set, but ringtrain.torch does not act on it: ignored"
              for name in UNSERVED if env.get(name, "").strip()]
-    path, mark_cycles = timeline_setting(env)
+    _, mark_cycles = timeline_setting(env)
     if mark_cycles:
         lines.append(f"{_WARNING}HOROVOD_TIMELINE_MARK_CYCLES is set, but ringtrain.torch's timeline draws each "
                      "op, not the engine's cycles: no cycle markers")
