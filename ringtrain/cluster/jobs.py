@@ -184,7 +184,11 @@ def format_failure_report(logdir, shown):
     """The report's lines: a header per log, then its lines indented (pure)."""
     out = []
     for rank, tail in shown:
-        out.append(f"ringtrain launch: last {len(tail)} line(s) of {os.path.join(logdir, f'rank-{rank}.log')}:")
+        path = os.path.join(logdir, f"rank-{rank}.log")
+        if not tail:  # a rank killed (SIGKILL, the OOM killer) before it printed anything
+            out.append(f"ringtrain launch: {path} is empty: rank {rank} printed nothing before it ended")
+            continue
+        out.append(f"ringtrain launch: last {len(tail)} line(s) of {path}:")
         out += ["    " + _cut(line) for line in tail]
     return out
 

@@ -1,5 +1,7 @@
 """``ringtrain info``: every rank's place in the job, printed once by rank 0."""
 
+import dataclasses
+
 from ..cluster.topology import TaskSpec
 
 HELP = "show every rank's host, local rank, node and device, the MPI library, and whether it is CUDA-aware"
@@ -9,12 +11,23 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def device_name(spec):
+    """What the rank computes on, as the table and the JSON both say it: ``cpu`` or ``gpu N`` (pure)."""
+    return "cpu" if spec.device is None else f"gpu {spec.device}"
+
+
+def rank_record(spec):
+    """One rank's JSON object: its TaskSpec's fields, ``device`` as the table says it, ``gpu`` its index or None."""
+    record = {k: v for k, v in dataclasses.asdict(spec).items() if k != "hosts"}
+    record["device"], record["gpu"] = device_name(spec), spec.device
+    return record
+
+
 def table(specs):
     """Format a list of TaskSpecs (indexed by rank) as a fixed-width table."""
     header = ("rank", "host", "local", "node", "device")
     rows = [
-        (str(s.rank), s.hostname, f"{s.local_rank}/{s.local_size}", f"{s.node_rank}/{s.num_nodes}",
-         "cpu" if s.device is None else f"gpu {s.device}")
+        (str(s.rank), s.hostname, f"{s.local_rank}/{s.local_size}", f"{s.node_rank}/{s.num_nodes}", device_name(s))
         for s in specs
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -23,7 +36,6 @@ def table(specs):
 
 
 def run(args):
-    import dataclasses
     import json
 
     from mpi4py import MPI
@@ -47,7 +59,7 @@ def run(args):
             "cuda_aware": aware,
             "cuda_aware_why": why,
             "cuda_ipc": ipc,
-            "ranks": [{k: v for k, v in dataclasses.asdict(s).items() if k != "hosts"} for s in specs],
+            "ranks": [rank_record(s) for s in specs],
         }, indent=2))
         return 0
     print(f"ringtrain: {spec.size} rank(s) on {spec.num_nodes} node(s); MPI: {library}")

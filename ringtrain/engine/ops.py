@@ -28,6 +28,8 @@ from .negotiation import (JOIN, Allgather, Allreduce, Alltoall, Barrier, Broadca
                           op_key, thread_label)
 from .process_sets import global_process_set
 from .reduce_ops import Average, op_name
+# Horovod's timeline calls live beside init (which starts one for HOROVOD_TIMELINE) and shutdown (which writes it).
+from .runtime import start_timeline, stop_timeline
 
 __all__ = ["allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
            "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "barrier",
@@ -330,20 +332,3 @@ def barrier(process_set=global_process_set):
 
 
 _JOIN, _BARRIER = Join(), Barrier()
-
-
-def start_timeline(file_path, mark_cycles=False):
-    """Start recording every op this rank runs; ``stop_timeline`` writes them to ``file_path`` (collective)."""
-    from ..training.timeline import Timeline
-
-    engine = runtime.current().engine
-    engine.timeline = Timeline(runtime.rank())
-    engine.timeline_path = str(file_path)
-
-
-def stop_timeline():
-    """Stop recording; rank 0 writes every rank's ops to the path given to ``start_timeline`` (collective)."""
-    engine = runtime.current().engine
-    timeline, path = engine.timeline, engine.timeline_path
-    engine.timeline = None
-    engine.call("stop_timeline", args=(timeline.events if timeline is not None else [], path))

@@ -21,9 +21,11 @@ import threading
 from .. import backend
 from ..cluster.commits import elastic_start
 from ..cluster.topology import TaskSpec, node_layout
+from ..environment import env_flag
 from ..errors import UsageError
 from ..failure import verdict_of
 from .core import Engine
+from .errors import HorovodInternalError
 from .process_sets import ProcessSet, ProcessSets, bind
 from .settings import Settings
 
@@ -96,6 +98,97 @@ def _communicator_from(comm):
     return sub, True
 
 
+
+# Horovod's run-time variables (its runner's config_parser.py, and its docs) that the engine does not act
+# on. Those it serves: HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME, the three HOROVOD_STALL_* (settings)
+# and HOROVOD_TIMELINE (here). Build-time ones (HOROVOD_WITH_*, HOROVOD_GPU_*, ...) are pip's, not a run's,
+# and go unnamed.
+UNSERVED = ("HOROVOD_CACHE_CAPACITY", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER",
+            "HOROVOD_TORUS_ALLREDUCE", "HOROVOD_AUTOTUNE", "HOROVOD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+            "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+            "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_MPI_THREADS_DISABLE", "HOROVOD_NUM_NCCL_STREAMS",
+            "HOROVOD_THREAD_AFFINITY", "HOROVOD_GLOO_TIMEOUT_SECONDS", "HOROVOD_LOG_LEVEL", "HOROVOD_LOG_HIDE_TIME",
+            "HOROVOD_ELASTIC_TIMEOUT", "HOROVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_CCL_CACHE", "HOROVOD_ENABLE_XLA_OPS")
+_WARNING = "[ringtrain] WARNING "
+
+
+def timeline_setting(env):
+    """``(path, mark_cycles)`` from ``HOROVOD_TIMELINE`` and ``HOROVOD_TIMELINE_MARK_CYCLES`` (pure).
+
+    ``path`` is None when the timeline is off: the variable unset, blank, or
+    Horovod's ``DYNAMIC`` (only ``hvd.start_timeline`` starts it then). A
+    relative path is made absolute here, where the job started.
+    """
+    path = env.get("HOROVOD_TIMELINE", "").strip()
+    mark_cycles = env_flag(env, "HOROVOD_TIMELINE_MARK_CYCLES", everywhere=True)
+    if not path or path == "DYNAMIC":
+        return None, mark_cycles
+    return os.path.abspath(path), mark_cycles
+
+
+def unserved_lines(env):
+    """One warning line for each of Horovod's variables set in ``env`` that the engine ignores (pure)."""
+    lines = [f"{_WARNING}{name} is set, but ringtrain does not act on it: ignored"
+             for name in UNSERVED if env.get(name, "").strip()]
+    _, mark_cycles = timeline_setting(env)
+    if mark_cycles:
+        lines.append(f"{_WARNING}HOROVOD_TIMELINE_MARK_CYCLES is set, but ringtrain's timeline draws each "
+                     "op, not the engine's cycles: no cycle markers")
+    return lines
+
+
+def _rank_0_timeline(comm):
+    """Rank 0's timeline setting, the same on every rank, and its warnings printed there (collective)."""
+    setting = None
+    if comm.Get_rank() == 0:
+        try:
+            setting = timeline_setting(os.environ)
+            for line in unserved_lines(os.environ):
+                sys.stderr.write(line + "\n")
+        except UsageError as exc:
+            setting = str(exc)
+    setting = comm.bcast(setting, root=0)  # every rank starts the timeline, or none: its stop is collective
+    if isinstance(setting, str):
+        if comm.Get_rank() == 0:
+            print(f"ringtrain: error: {setting}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return setting
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Start recording every op this rank runs; ``stop_timeline`` writes them to ``file_path`` (collective).
+
+    ``mark_cycles`` is accepted, as Horovod's is; the timeline draws ops, not the engine's cycles.
+    """
+    from ..training.timeline import Timeline
+
+    engine = current().engine
+    engine.timeline = Timeline(rank())
+    engine.timeline_path = str(file_path)
+
+
+def stop_timeline():
+    """Stop recording; rank 0 writes every rank's ops to the path given to ``start_timeline`` (collective)."""
+    _stop_timeline(current().engine)
+
+
+def _stop_timeline(engine):
+    timeline, path = engine.timeline, engine.timeline_path
+    engine.timeline = None
+    engine.call("stop_timeline", args=(timeline.events if timeline is not None else [], path))
+
+
+def _write_timeline(runtime):
+    """Write a timeline still running at shutdown, as Horovod's is written (collective; skipped once broken)."""
+    engine = runtime.engine
+    if engine.timeline is None or engine.broken is not None:
+        return
+    try:
+        _stop_timeline(engine)
+    except HorovodInternalError:
+        pass  # a peer failed meanwhile: the job is ending, and its ranks have said why
+
+
 def init(comm=None, process_sets=None):
     """Start the runtime over ``comm`` (default ``MPI.COMM_WORLD``); a second call does nothing.
 
@@ -112,6 +205,7 @@ def init(comm=None, process_sets=None):
         communicator_, owned = _communicator_from(comm)
         runtime = Runtime(communicator_, owned)
         settings = _agreed_settings(communicator_)
+        timeline_path, mark_cycles = _rank_0_timeline(communicator_)
         if not runtime.threads_multiple and runtime.spec.size > 1:
             raise ValueError("ringtrain's engine needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
@@ -127,6 +221,8 @@ def init(comm=None, process_sets=None):
         _runtime = runtime
     for ps in process_sets or []:
         add_process_set(ps)
+    if timeline_path is not None:
+        start_timeline(timeline_path, mark_cycles)
 
 
 def _agreed_settings(comm):
@@ -169,15 +265,21 @@ def shutdown():
     """Stop the runtime: fail what is pending and tell the other ranks (no-op if not started).
 
     Ops still pending here, and ops any rank submits after this, fail, as in
-    Horovod. It never waits for another rank to shut down.
+    Horovod. It never waits for another rank to shut down, but for one thing:
+    a timeline still running (``HOROVOD_TIMELINE``, or ``start_timeline``
+    with no stop) is written first, as ``stop_timeline`` does, which is
+    collective (skipped once the engine is broken).
     """
     global _runtime
+    from mpi4py import MPI
+
+    runtime = _runtime
+    if runtime is not None and not MPI.Is_finalized():
+        _write_timeline(runtime)
     with _lock:
         runtime, _runtime = _runtime, None
     if runtime is None:
         return
-    from mpi4py import MPI
-
     if MPI.Is_finalized():
         return
     runtime.engine.shutdown()

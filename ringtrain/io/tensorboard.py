@@ -1,5 +1,13 @@
 """TensorBoard scalars from rank 0's train and eval events (``ringtrain train --tensorboard DIR``).
 
+Curves a reader can trust: ``train/*`` holds one point per epoch, the
+epoch's mean (the figure the console's epoch line prints), and
+``train_window/*`` one point every ``--log-every`` steps, each the mean of
+exactly that many steps. metrics.jsonl's train events are cut at each
+epoch's end as well, so drawn as they are their windows differ in length
+and the curve zigzags; here the pieces are joined back into whole windows
+(``Windows``).
+
 The writer is tensorboardX's (``pip install tensorboardX``, or the
 ``ringtrain[tensorboard]`` extra), the only import of it in ringtrain: pure
 Python on top of protobuf, so the trainer, which never needs torch, does not
@@ -17,13 +25,16 @@ import importlib.util
 import os
 import time
 
-__all__ = ["INSTALL", "TAGS", "available", "missing_problem", "folder_problem", "scalars_of", "TensorBoard"]
+__all__ = ["INSTALL", "TAGS", "available", "missing_problem", "folder_problem", "scalars_of", "Windows",
+           "TensorBoard"]
 
 INSTALL = "pip install tensorboardX"
-# metrics.jsonl's event -> {its field: the TensorBoard tag}.
+# metrics.jsonl's event (and "window", train events joined by Windows) -> {its field: the TensorBoard tag}.
 TAGS = {
-    "train": {"loss": "train/loss", "accuracy": "train/accuracy", "samples_per_sec": "train/samples_per_sec",
-              "lr": "train/learning_rate"},
+    "epoch": {"loss": "train/loss", "accuracy": "train/accuracy", "samples_per_sec": "train/samples_per_sec"},
+    "train": {"lr": "train/learning_rate"},
+    "window": {"loss": "train_window/loss", "accuracy": "train_window/accuracy",
+               "samples_per_sec": "train_window/samples_per_sec"},
     "eval": {"loss": "eval/loss", "accuracy": "eval/accuracy"},
 }
 
@@ -67,23 +78,61 @@ def scalars_of(event, fields):
     return out
 
 
+class Windows:
+    """Joins train events into windows of exactly ``log_every`` steps (pure).
+
+    The trainer writes a train event every ``log_every`` steps and at each
+    epoch's end, each the mean since the one before. Joined again, weighted by
+    their samples, the pieces between two multiples of ``log_every`` make one
+    window of that many steps: the mean a window of that length would have
+    had. A window that is not whole (the first after a resume mid-window, the
+    last of a run) gives no point.
+    """
+
+    def __init__(self, log_every):
+        self.log_every = log_every
+        self._sums = None  # steps, loss sum, correct, samples, seconds since the last multiple of log_every
+
+    def add(self, fields):
+        """Count one train event; return the joined window's fields at a multiple of ``log_every``, else None."""
+        step, steps, n = fields.get("step"), fields.get("steps"), fields.get("samples")
+        if not all(isinstance(v, int) for v in (step, steps, n)) or n <= 0:
+            return None
+        rate = fields.get("samples_per_sec")
+        seconds = n / rate if isinstance(rate, float) and rate > 0 else 0.0  # NaN (no time measured): none
+        part = (steps, fields["loss"] * n, fields["accuracy"] * n, n, seconds)
+        self._sums = part if self._sums is None else tuple(a + b for a, b in zip(self._sums, part))
+        if step % self.log_every:
+            return None
+        (steps, loss_sum, correct, n, seconds), self._sums = self._sums, None
+        if steps != self.log_every:
+            return None
+        return {"step": step, "loss": loss_sum / n, "accuracy": correct / n,
+                "samples_per_sec": n / seconds if seconds > 0 else float("nan")}
+
+
 class TensorBoard:
     """Rank 0's event file in ``folder``: made at the first scalar, flushed after each evaluation.
 
     Args:
         folder: the directory for the event file (made if missing).
         warn: called once with a line when writing fails; nothing is written after.
+        log_every: the run's ``--log-every``: the length of the ``train_window/*`` windows.
     """
 
-    def __init__(self, folder, warn):
+    def __init__(self, folder, warn, log_every=50):
         self.folder = folder
         self.warn = warn
         self._writer = None
         self._failed = False
+        self._windows = Windows(log_every)
 
     def write(self, event, fields):
         """Add the scalars of one metrics event (see :data:`TAGS`); evaluations are flushed to disk."""
         scalars = scalars_of(event, fields)
+        if event == "train":
+            window = self._windows.add(fields)
+            scalars += scalars_of("window", window) if window is not None else []
         if not scalars or self._failed:
             return
         try:

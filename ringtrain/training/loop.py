@@ -35,7 +35,7 @@ from ..optim import learning_rate
 from ..watchdog import Watchdog, left_neighbour
 from .config import TrainConfig, validate
 from .evaluate import reduce_eval
-from .metrics import Meter, epoch_line, final_line, outcome_warnings
+from .metrics import Meter, epoch_line, epoch_record, final_line, outcome_warnings
 from .progress import Progress, choose_mode
 from .replicas import check_same_settings
 from .saving import Checkpointer, Diverged
@@ -228,6 +228,9 @@ class _Run:
         if cfg.eval_every and epoch % cfg.eval_every == 0 and stopped is None and epoch < cfg.epochs:
             self._evaluate(step, epoch)
         sums, seconds = self.meter.take_epoch()
+        record = epoch_record(step, epoch, sums, seconds)
+        if record is not None:  # the console's epoch figures, for TensorBoard's train series and plots
+            self.log.event("epoch", **record)
         self.log.print(epoch_line(epoch, cfg.epochs, sums, seconds, time.perf_counter() - self.started,
                                   self.last_eval))
         if epoch < cfg.epochs and stopped is None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .strategy import Metric
 
-__all__ = ["Meter", "epoch_line", "final_line", "outcome_warnings", "EXPLODED", "CHANCE_MARGIN"]
+__all__ = ["Meter", "epoch_record", "epoch_line", "final_line", "outcome_warnings", "EXPLODED", "CHANCE_MARGIN"]
 
 # A train loss this many times its first value has blown up, finite or not.
 EXPLODED = 10.0
@@ -38,11 +38,13 @@ class Meter:
     def take_window(self, step, epoch):
         """The train event since the last one (None if it saw no samples); starts a new window."""
         (loss_sum, correct, n), seconds = self.window, self.clock() - self.window_start
+        steps = self.window_steps
         self.restart_window()
         if n == 0:
             return None
         return {"step": step, "epoch": epoch, "loss": loss_sum / n, "accuracy": correct / n,
-                "samples_per_sec": n / seconds if seconds > 0 else float("nan")}
+                "samples_per_sec": n / seconds if seconds > 0 else float("nan"), "steps": steps,
+                "samples": int(n)}
 
     def restart_window(self):
         """Start the next window now (evaluation and checkpoints are not training time)."""
@@ -59,6 +61,15 @@ class Meter:
         """Start the next window's and the next epoch's clocks now (after evaluation and checkpoints)."""
         self.restart_window()
         self.epoch_start = self.clock()
+
+
+def epoch_record(step, epoch, sums, seconds):
+    """The ``epoch`` event of an epoch's end: the same figures as ``epoch_line`` (pure; None with no samples)."""
+    loss_sum, correct, n = sums
+    if not n:
+        return None
+    return {"step": step, "epoch": epoch, "loss": loss_sum / n, "accuracy": correct / n,
+            "samples_per_sec": n / seconds if seconds > 0 else float("nan"), "samples": int(n)}
 
 
 def epoch_line(epoch, epochs, sums, seconds, elapsed, last_eval):

@@ -41,9 +41,10 @@ class RunLog:
         stream: where lines are printed (default stdout).
         tensorboard: a folder for TensorBoard scalars of the train and eval
             events (``--tensorboard``), or None.
+        log_every: the run's ``--log-every`` (TensorBoard's windows are that many steps long).
     """
 
-    def __init__(self, run_dir, is_master, stream=None, tensorboard=None):
+    def __init__(self, run_dir, is_master, stream=None, tensorboard=None, log_every=50):
         self.run_dir = run_dir
         self.is_master = is_master
         self.stream = stream or sys.stdout
@@ -54,7 +55,7 @@ class RunLog:
         self._dir_id = None  # (st_dev, st_ino) of the run directory once open
         self._gone = False  # the run directory was deleted and could not be recreated
         self._warned = set()
-        self._board = TensorBoard(tensorboard, self.warn) if tensorboard is not None and is_master else None
+        self._board = TensorBoard(tensorboard, self.warn, log_every) if tensorboard is not None and is_master else None
         # A context in which a line is printed: the trainer's progress bar
         # sets one that clears the bar first, so lines are never torn.
         self.pause = contextlib.nullcontext

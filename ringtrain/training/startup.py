@@ -125,7 +125,7 @@ def _open_log(cfg, comm, spec, stream, dog):
     """Rank 0's run directory, known to every rank, and claimed before it is read or written."""
     with starting(dog, "run directory broadcast"):
         run_dir = comm.bcast(cfg.run_dir or default_run_dir() if comm.Get_rank() == 0 else None, root=0)
-    log = RunLog(run_dir, spec.is_master, stream=stream, tensorboard=cfg.tensorboard)
+    log = RunLog(run_dir, spec.is_master, stream=stream, tensorboard=cfg.tensorboard, log_every=cfg.log_every)
     with starting(dog, "run directory agreement"):
         agree(comm, log.claim())  # a directory another live job holds: refused before it is read or written
     return log, run_dir

@@ -16,6 +16,7 @@ Each must end in exit status 2 with one line naming the variable, no traceback, 
 """
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -270,6 +271,7 @@ def hvd_outcomes(tmp_path_factory):
     return garbage, results[2:2 + len(garbage)], results[:2] + results[2 + len(garbage):]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (pip install torch==2.13.0)")
 def test_garbage_in_every_number_hvd_init_reads_is_one_line_and_exit_2(hvd_outcomes):
     garbage, results, _ = hvd_outcomes
     for (name, value), (status, err, out) in zip(garbage, results, strict=True):
@@ -279,6 +281,7 @@ def test_garbage_in_every_number_hvd_init_reads_is_one_line_and_exit_2(hvd_outco
         assert "initialised" not in out and "Traceback" not in err, shown
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (pip install torch==2.13.0)")
 def test_hvd_init_with_good_values_and_a_lone_world_size_runs(hvd_outcomes):
     # WORLD_SIZE alone, with none of torchrun's own variables, is no sign of torchrun: a world of one runs.
     *good, torchrun = hvd_outcomes[2]

@@ -1,5 +1,6 @@
 """Whole commands in a subprocess: info, one-line usage errors, abort on exception."""
 
+import json
 import os
 import sys
 import time
@@ -24,6 +25,14 @@ def test_info_prints_one_table_for_three_ranks():
     rows = [line.split() for line in lines[3:]]
     host = MPI.Get_processor_name()
     assert rows == [[str(r), host, f"{r}/3", "0/1", "cpu"] for r in range(3)]
+
+
+def test_info_json_says_the_device_as_the_table_does():
+    result = mpirun(2, ringtrain("info", "--json"), timeout=60)
+    assert result.returncode == 0, show(result)
+    ranks = json.loads(result.stdout)["ranks"]
+    # The table says "cpu" for a rank without a GPU; the JSON says the same, and its GPU index is null.
+    assert [(r["rank"], r["device"], r["gpu"]) for r in ranks] == [(0, "cpu", None), (1, "cpu", None)]
 
 
 def test_info_without_mpirun_is_one_rank():

@@ -16,6 +16,7 @@ import pytest
 from mpirun import ROOT, mpirun, ringtrain, show
 
 from ringtrain import backend
+from ringtrain.cluster.launch import find_mpirun
 
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_acceptance.sh")
 REPORT = os.path.join(ROOT, "scripts", "gpu_report.py")
@@ -98,8 +99,9 @@ def test_on_a_gpu_machine_it_checks_its_dependencies_before_running_anything(tmp
         "class _A(numpy.ndarray):\n"
         "    def __matmul__(self, other):\n        raise RuntimeError('CUBLAS_STATUS_NOT_INITIALIZED')\n"
         "def ones(shape, dtype):\n    return numpy.ones(shape, dtype).view(_A)\n")
+    # This suite's Python and mpirun, wherever its environment is (the script's default is the clone's .venv).
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(tmp_path / "py"),
-               RINGTRAIN_ACCEPTANCE_DIR=str(tmp_path / "out"))
+               RINGTRAIN_ACCEPTANCE_DIR=str(tmp_path / "out"), PYTHON=sys.executable, MPIRUN=find_mpirun())
     result = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, show(result)
     lines = result.stdout.splitlines()

@@ -67,6 +67,10 @@ def test_a_rank_killed_by_sigkill_ends_the_job_as_killed_with_no_wrapper_traceba
     log = (logs / "rank-1.log").read_text()
     assert "Traceback" not in log and "Traceback" not in result.stderr, show(result) + log
     assert (logs / "rank-1.exit").read_text().split()[1] == "-9"
+    # Rank 1 printed nothing: its log is said to be empty, not shown as "last 0 line(s)" and nothing.
+    assert log == "" and "last 0 line(s)" not in result.stderr, show(result)
+    assert f"ringtrain launch: {logs}/rank-1.log is empty: rank 1 printed nothing before it ended" in \
+        result.stderr, show(result)
 
 
 def test_the_log_wrapper_dies_of_the_signal_that_killed_its_command(tmp_path):

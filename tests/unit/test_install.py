@@ -46,6 +46,19 @@ def test_every_test_module_loads_without_torch_as_the_readmes_test_command_insta
     assert "torch is not installed (pip install torch==2.13.0)" in done.stdout, done.stdout[-3000:]
 
 
+def test_a_missing_matplotlib_says_how_a_clone_installs_it(monkeypatch):
+    # ringtrain is not on PyPI: "pip install 'ringtrain[plot]'" would fail; the clone's form must be given.
+    from ringtrain.commands import plot
+    from ringtrain.errors import UsageError
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(UsageError) as caught:
+        plot._pyplot()
+    assert str(caught.value) == ("ringtrain plot needs matplotlib, which is not installed: pip install matplotlib "
+                                 "(or, in ringtrain's clone, pip install -e '.[plot]')")
+    assert "ringtrain[plot]" not in str(caught.value)
+
+
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI promises every extra (.ci/run installs them)")
 @pytest.mark.parametrize("module", ["torch", "mlxtend", "mkdocs", "mkdocstrings", "markdown_it", "matplotlib"])
 def test_ci_has_every_extra_so_no_test_skips_for_want_of_one(module):

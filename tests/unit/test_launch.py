@@ -395,6 +395,14 @@ def test_without_an_error_the_report_shows_every_non_empty_log():
         "ringtrain launch: last 1 line(s) of /l/rank-2.log:", "    c"]
 
 
+def test_an_empty_log_is_said_to_be_empty_not_shown_as_zero_lines():
+    # A rank SIGKILLed before it printed: its log is empty, and the report says so in one line.
+    rank, shown = J.failure_report({0: "epoch 1\n", 1: ""}, exits={1: (2.0, -9)})
+    assert rank == 1 and shown == [(1, [])]
+    assert J.format_failure_report("/l", shown) == [
+        "ringtrain launch: /l/rank-1.log is empty: rank 1 printed nothing before it ended"]
+
+
 def test_restarts_append_to_the_rank_logs():
     args, _ = launch_command(2, ["p"], mpirun=MPIRUN, flavour="mpich", logdir="/logs", python="/py", restart=2)
     assert args == [MPIRUN, "-np", "2", "/py", "-m", "ringtrain.cluster.rank_log", "--restart", "2", "/logs", "--", "p"]
