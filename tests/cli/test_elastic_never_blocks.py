@@ -160,3 +160,27 @@ def test_slurm_lists_that_expand_without_end_are_refused_in_one_line(tmp_path, v
     result = run(ringtrain("launch", "-np", "1", *dry_run, "--", "true"), timeout=30, env=env)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
     assert message in result.stderr and "Traceback" not in result.stderr, show(result)
+
+
+# --- a signal while the first discovery run is waited for -------------------------------------
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)])
+def test_a_signal_during_the_first_discovery_run_kills_the_script_and_ends_the_launch_quietly(tmp_path, signum,
+                                                                                                 status):
+    # The first run is waited for before the job starts: a stop then must end the script's whole group too
+    # (it runs in a session of its own, so the terminal's signal never reaches it), and the launcher is no
+    # MPI rank, so it must not start MPI to call itself "rank 0" and MPI_Abort.
+    script = tmp_path / "discover.sh"
+    pid_file = tmp_path / "discover.pid"
+    script.write_text(f"#!/bin/sh\necho $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}\nexec sleep 600\n")
+    script.chmod(0o755)
+    proc = start(ringtrain("launch", "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), "--",
+                           "true"), tmp_path)
+    wait_for(pid_file)
+    time.sleep(0.5)
+    os.kill(proc.pid, signum)
+    code = finish(proc, 20, f"signal {signum}")
+    text = (tmp_path / "launcher.out").read_text()
+    assert code in (status, -signum), text
+    assert "rank 0" not in text and "MPI_Abort" not in text and "Traceback" not in text, text
+    assert gone(int(pid_file.read_text())), "the discovery script outlived the launch"
