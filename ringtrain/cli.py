@@ -257,12 +257,18 @@ _NOT_A_RANK = ("launch",)
 
 
 def _run_launcher(argv):
-    args = build_parser().parse_args(argv)
+    # Every copy says its error: a rank variable in the environment (stale, or an mpirun that started the
+    # launcher itself) must not silence the only process there may be.
     try:
-        return args._run(args) or 0
-    except KeyboardInterrupt:
-        print(f"ringtrain {args.command}: interrupted", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
+        args = build_parser().parse_args(argv)
+        try:
+            return args._run(args) or 0
+        except KeyboardInterrupt:
+            print(f"ringtrain {args.command}: interrupted", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
+    except UsageError as exc:
+        print(f"ringtrain: error: {printable(exc)}", file=sys.stderr)
+        return 2
 
 
 def console():
