@@ -151,6 +151,9 @@ def test_the_same_error_limit_is_a_flag(tmp_path):
 @pytest.mark.parametrize("variables, message", [
     ({"SLURM_JOB_NODELIST": "n[1-99999999999]", "SLURM_TASKS_PER_NODE": "1"}, "names more than 100,000 nodes"),
     ({"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "1(x99999999999)"}, "are for more than 100,000 nodes"),
+    # Said what is wrong, not that 2 nodes and 2 counts do not match, nor that n[3-1] names 0 nodes.
+    ({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"}, "'0(x2)' gives a node no tasks"),
+    ({"SLURM_JOB_NODELIST": "n[3-1]", "SLURM_TASKS_PER_NODE": "1"}, "the range '3-1' runs backwards"),
 ])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 def test_slurm_lists_that_expand_without_end_are_refused_in_one_line(tmp_path, variables, message, dry_run):
