@@ -472,3 +472,14 @@ def test_discovery_slots_must_be_a_plain_bounded_count(line):
     from ringtrain.cluster.discovery import DiscoveryError, parse_discovery
     with pytest.raises(DiscoveryError, match="expected 'host:slots'"):
         parse_discovery(line)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_notices_and_listening_marks_another_user_owns_are_not_believed(tmp_path):
+    # Left from when the directory was shared (refused, then chmod go-w as told), they are still theirs to
+    # rewrite: a notice of theirs would stop the job at every commit, a mark keep the launcher from signalling.
+    E.write_notice(str(tmp_path), 3, {"removed"})
+    E.write_listening(str(tmp_path), 2)
+    for name in ("hosts.json", "listening.json"):
+        os.chown(tmp_path / name, 65534, 65534)
+    assert E.read_notice(str(tmp_path)) is None and not E.is_listening(str(tmp_path), 2)
