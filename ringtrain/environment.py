@@ -16,7 +16,7 @@ import re
 from .errors import UsageError
 
 __all__ = ["EnvironmentValueError", "parse_int", "parse_seconds", "env_int", "env_seconds", "env_flag",
-           "MAX_DIGITS"]
+           "MAX_DIGITS", "or_default"]
 
 # No count, rank or port ringtrain reads needs more digits; a longer value is garbage or an attack.
 MAX_DIGITS = 12
@@ -109,3 +109,15 @@ def env_flag(env, name, default=False, everywhere=False):
     if value == "?":
         _refuse(name, text, "0 or 1 (or true/false, yes/no, on/off)", "unset it for the default", everywhere)
     return default if value is None else value
+
+
+def or_default(read, env, default):
+    """``read(env)``, or ``default`` when it refuses the value: for a setting a module reads at import.
+
+    A rank that exited at import while the others went on would hold them in their first op; the
+    refusal is left to a check that every rank agrees on before any op (``hvd.init()``'s).
+    """
+    try:
+        return read(env)
+    except EnvironmentValueError:
+        return default

@@ -11,17 +11,6 @@ except ModuleNotFoundError as exc:  # one line that names the fix, not a traceba
     raise ModuleNotFoundError("ringtrain.torch needs torch, which is not installed: pip install torch==2.13.0 "
                               "(or the [torch] extra)", name="torch") from exc
 
-import sys
-
-from ..environment import EnvironmentValueError
-
-try:  # the engine's settings read at import (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD, RINGTRAIN_HVD_LOCAL_BYTES)
-    from . import channel  # noqa: F401
-except EnvironmentValueError as exc:
-    # Every rank reads the same environment and stops here, before any op: one line and status 2 each.
-    print(f"ringtrain: error: {exc}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
-
 from . import interop
 from .model import TorchModel
 
@@ -65,4 +54,3 @@ __all__ += ["Compression", "allgather_object", "broadcast_object", "broadcast_op
             "DistributedOptimizer", "SyncBatchNorm"]
 from . import elastic  # noqa: E402,F401 - hvd.elastic: Horovod's elastic API (ringtrain.torch.elastic)
 
-del sys, EnvironmentValueError  # used only at the import above

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from ..environment import env_int, env_seconds
+from ..environment import env_int, env_seconds, or_default
 from . import kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
 from .handles import Pending
@@ -53,8 +53,20 @@ __all__ = ["Entry", "Channel", "Decision", "CYCLE_S", "TICK_S", "PROBE_S"]
 TAG = 7
 RUN = "run"
 # Horovod's cycle, in milliseconds; beyond 10 s every op would wait that long for company.
-CYCLE_S = env_seconds(os.environ, "HOROVOD_CYCLE_TIME", 1.0, hi=10_000, everywhere=True,
-                      unit="milliseconds") / 1000.0
+
+
+def cycle_seconds(env):
+    """Horovod's cycle, ``HOROVOD_CYCLE_TIME`` milliseconds, in seconds (EnvironmentValueError when it is none)."""
+    return env_seconds(env, "HOROVOD_CYCLE_TIME", 1.0, hi=10_000, everywhere=True, unit="milliseconds") / 1000.0
+
+
+def fusion_bytes(env):
+    """``HOROVOD_FUSION_THRESHOLD`` in bytes (EnvironmentValueError when it is no count)."""
+    return env_int(env, "HOROVOD_FUSION_THRESHOLD", 64 << 20, unit=" of bytes", everywhere=True)
+
+
+# A bad value is refused by hvd.init()'s agreement (engine.settings_problem), on every rank.
+CYCLE_S = or_default(cycle_seconds, os.environ, 0.001)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 WATCH_S = 0.1       # the thread keeps watching this long after the set was last busy, then sleeps
@@ -62,7 +74,7 @@ WATCH_MAX_S = 0.008  # the longest it waits between looks while watching
 SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
 YIELD_S = 0.005     # how long it yields before it starts to sleep
 SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
-FUSION_BYTES = env_int(os.environ, "HOROVOD_FUSION_THRESHOLD", 64 << 20, unit=" of bytes", everywhere=True)
+FUSION_BYTES = or_default(fusion_bytes, os.environ, 64 << 20)
 INFO_KINDS = ("allgather", "alltoall")  # the kinds whose kernels need every member's info
 
 

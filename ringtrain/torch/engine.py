@@ -80,7 +80,8 @@ from ..comm.guard import HINT, get_timeout, timeout_from_env
 from ..environment import env_flag, env_seconds
 from ..errors import UsageError
 from ..failure import describe
-from .channel import PROBE_S, TICK_S, Channel, Entry
+from .channel import PROBE_S, TICK_S, Channel, Entry, cycle_seconds, fusion_bytes
+from .kernels import local_bytes
 from .errors import HorovodInternalError
 from .handles import Pending
 from .negotiation import Names, op_key
@@ -125,6 +126,8 @@ def settings_problem(env=None):
         _stall_settings(env)
         timeout_from_env(env)
         elastic_start(env)  # read by hvd.elastic.run, which may come long after
+        for read in (cycle_seconds, fusion_bytes, local_bytes):  # read at import, where a refusal was deferred
+            read(env)
     except UsageError as exc:
         return str(exc)
     return None

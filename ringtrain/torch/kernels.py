@@ -26,7 +26,7 @@ import torch
 
 from ..comm import allreduce_
 from ..comm.state import state_of
-from ..environment import env_int
+from ..environment import env_int, or_default
 from .interop import as_array
 
 __all__ = ["SUPPORTED", "RING_DTYPES", "FUSABLE", "check_tensor", "dtype_name", "host_view", "byte_view",
@@ -43,7 +43,13 @@ FUSABLE = ("allreduce", "reducescatter")
 _NUMPY_FAST = {"float32": np.float32, "float64": np.float64}
 _COMBINE = {"sum": np.add, "min": np.minimum, "max": np.maximum}  # what a transport's reduce-scatter combines with
 # An allreduce or broadcast up to this size travels with its announcements and is computed on every rank.
-LOCAL_BYTES = env_int(os.environ, "RINGTRAIN_HVD_LOCAL_BYTES", 16 << 10, unit=" of bytes", everywhere=True)
+def local_bytes(env):
+    """``RINGTRAIN_HVD_LOCAL_BYTES`` (EnvironmentValueError when it is no count)."""
+    return env_int(env, "RINGTRAIN_HVD_LOCAL_BYTES", 16 << 10, unit=" of bytes", everywhere=True)
+
+
+# A bad value is refused by hvd.init()'s agreement (engine.settings_problem), on every rank.
+LOCAL_BYTES = or_default(local_bytes, os.environ, 16 << 10)
 _FAST_DTYPES = (torch.float32, torch.float64)  # integer averages truncate, float16 predivides: not here
 
 
