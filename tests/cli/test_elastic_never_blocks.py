@@ -97,6 +97,17 @@ def test_a_discovery_script_that_prints_without_end_is_refused_in_one_line(tmp_p
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("line", ["a" * 100_000, "localhost:" + "x" * 900_000])
+def test_a_discovery_line_of_garbage_is_refused_in_a_short_line(tmp_path, line):
+    # A 100,000-character host name went whole onto mpirun's command line; a bad line was quoted whole.
+    (tmp_path / "line").write_text(line + "\n")
+    result = run(ringtrain("launch", "-np", "1", "--min-np", "1", "--host-discovery-script",
+                           f"cat {tmp_path / 'line'}", "--dry-run", "--", "true"), timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and len(lines[0]) < 400, show(result)
+    assert "host discovery script" in lines[0] and not result.stdout, show(result)
+
+
 # --- one SIGUSR1 per restart ------------------------------------------------------------------
 
 def test_hosts_that_change_and_change_back_send_the_job_one_sigusr1(tmp_path):

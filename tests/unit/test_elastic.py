@@ -54,6 +54,9 @@ def test_discovery_lines_give_hosts_in_order_with_default_slots():
     ("h1:1\nh1:2\n", "line 2: host h1 is listed twice"),
     ("-np:2\n", "line 1: expected 'host:slots' or 'host', got '-np:2'"),
     ("fe80::1:2\n", "line 1: 'fe80::1:2' is an IPv6 address, which MPI's host lists cannot carry"),
+    ("a" * 254 + ":1\n", f"line 1: a host name of 254 characters (at most 253), got {'a' * 77!r}..."),
+    ("a" * 9000 + ":x\n", f"line 1: a host name of 9,000 characters (at most 253), got {'a' * 77!r}..."),
+    ("h1:" + "x" * 9000 + "\n", f"line 1: expected 'host:slots' or 'host', got {'h1:' + 'x' * 74!r}..."),
 ])
 def test_a_bad_discovery_line_names_its_number(text, message):
     with pytest.raises(DiscoveryError) as err:
