@@ -100,7 +100,10 @@ def discovery_command(script, path=None):
         UsageError: it names a file here that cannot be executed.
     """
     name = script.strip()
-    if not name or any(c.isspace() for c in name) or os.sep in name or shutil.which(name, path=path):
+    if not name:  # the shell runs blanks as an empty command: no hosts, ever, and a wait for them
+        raise UsageError(f"--host-discovery-script {script!r}: an empty command; give the script that prints "
+                         "the hosts")
+    if any(c.isspace() for c in name) or os.sep in name or shutil.which(name, path=path):
         return script
     if not os.path.isfile(name):
         return script
