@@ -381,6 +381,10 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         _check_reachable(launcher.book.available(), stderr)
     if dry_run:
         launcher.records = plan.logdir or "ELASTIC_DIR"  # made at the real start
+        if sum(h.slots for h in launcher.book.available()) < np:  # no command to show: it would wait first
+            launcher.say(f"the hosts give {launcher.describe_hosts()} now, fewer than -np {np}: the launch would "
+                         f"wait up to {elastic_timeout:g}s (--elastic-timeout) for them before it starts anything")
+            return 0
         args, extra = launcher.args(assign(launcher.book.available(), numbers[1]), 0)
         print(_format(args, extra), file=stdout)
         return 0

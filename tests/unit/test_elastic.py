@@ -198,6 +198,14 @@ def test_the_dry_run_shows_the_first_starts_command_from_the_discovered_hosts(ca
     assert "h1:2,h2:1" in out and "-np 3" in out and "--records-only" in out, out
 
 
+@pytest.mark.parametrize("script", ["true", "echo h1:1"])
+def test_a_dry_run_with_too_few_hosts_now_says_it_would_wait_not_mpirun_np_0(capsys, script):
+    args = parsed("-np", "2", "--min-np", "1", "--host-discovery-script", script)
+    assert launch(args.np, ["true"], dry_run=True, elastic=elastic_settings(args)) == 0
+    out, err = capsys.readouterr()
+    assert not out and "fewer than -np 2: the launch would wait up to" in err and "-np 0" not in err, (out, err)
+
+
 # --- the launcher's notices ----------------------------------------------------------
 
 @needs_torch
