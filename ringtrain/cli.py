@@ -13,6 +13,7 @@ collective. One verdict comes out of it: rank 0 prints the problem once
 import argparse
 import importlib
 import os
+import signal
 import sys
 import warnings
 
@@ -227,6 +228,8 @@ def main(argv=None):
     # it; the launcher check (TaskSpec.from_mpi) says the same in one.
     warnings.filterwarnings("ignore", message="suspicious MPI execution environment", category=RuntimeWarning)
     try:
+        if _command_of(argv) in _NOT_A_RANK:
+            return _run_launcher(argv)
         with abort_on_error():
             if _is_collective(_command_of(argv)):
                 return _main_collective(argv)
@@ -245,6 +248,26 @@ def main(argv=None):
         if stale:
             print(f"ringtrain: warning: {stale}={os.environ[stale]} is set, but no MPI launcher started this "
                   f"process; unset {stale}, or start it with mpirun", file=sys.stderr)
+        return 2
+
+
+# Commands that run no rank: an error or Ctrl-C there is this process's alone, so it is not MPI_Abort's
+# business (which would start MPI in the launcher only to call it "rank 0").
+_NOT_A_RANK = ("launch",)
+
+
+def _run_launcher(argv):
+    # Every copy says its error: a rank variable in the environment (stale, or an mpirun that started the
+    # launcher itself) must not silence the only process there may be.
+    try:
+        args = build_parser().parse_args(argv)
+        try:
+            return args._run(args) or 0
+        except KeyboardInterrupt:
+            print(f"ringtrain {args.command}: interrupted", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
+    except UsageError as exc:
+        print(f"ringtrain: error: {printable(exc)}", file=sys.stderr)
         return 2
 
 

@@ -109,3 +109,4 @@ def env_flag(env, name, default=False, everywhere=False):
     if value == "?":
         _refuse(name, text, "0 or 1 (or true/false, yes/no, on/off)", "unset it for the default", everywhere)
     return default if value is None else value
+

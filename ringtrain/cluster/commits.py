@@ -112,14 +112,17 @@ def is_listening(directory, job):
 
 
 def _read_json(path, take):
-    """``take(json)`` of a small regular file at ``path``, never through a link; None when it is not one."""
+    """``take(json)`` of a small regular file of this user's at ``path``, never through a link; else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
         with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            st = os.fstat(fh.fileno())
+            # Another user's file (left from when the directory was shared, and still theirs to rewrite)
+            # would let them stop the job at every commit, or keep the launcher from signalling it.
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 return None
             return take(json.loads(fh.read(_MAX_JSON + 1)))
     except (OSError, ValueError, KeyError, TypeError):

@@ -44,6 +44,8 @@ DISCOVERY_TIMEOUT = 30.0
 # A host list is a line per host: more output than this is no host list, and
 # is refused as it arrives rather than read into memory whole.
 MAX_OUTPUT = 1 << 20
+# The longest host name DNS allows: a longer "name" is garbage, and would go whole onto mpirun's command line.
+MAX_NAME = 253
 # Horovod's bounds on --blacklist-cooldown-range, in seconds.
 COOLDOWN_LIMITS = (1, 3600)
 
@@ -72,11 +74,15 @@ def parse_discovery(text, default_slots=1, source="host discovery script"):
         if v6 is not None:
             raise DiscoveryError(f"{where}: {v6}")
         name, _, count = line.partition(":")
+        shown = repr(line) if len(line) <= 80 else f"{line[:77]!r}..."  # a line may be up to MAX_OUTPUT long
+        if len(name) > MAX_NAME:
+            raise DiscoveryError(f"{where}: a host name of {len(name):,} characters (at most {MAX_NAME}), got "
+                                 f"{shown}")
         if not _NAME.fullmatch(name) or (count and not (count.isascii() and count.isdigit() and len(count) <= 9)):
-            raise DiscoveryError(f"{where}: expected 'host:slots' or 'host', got {line!r}")
+            raise DiscoveryError(f"{where}: expected 'host:slots' or 'host', got {shown}")
         slots = int(count) if count else default_slots
         if not 1 <= slots <= MAX_NP:
-            raise DiscoveryError(f"{where}: slots must be between 1 and {MAX_NP}, got {line!r}")
+            raise DiscoveryError(f"{where}: slots must be between 1 and {MAX_NP}, got {shown}")
         if name in hosts:
             raise DiscoveryError(f"{where}: host {name} is listed twice")
         hosts[name] = slots
@@ -94,7 +100,10 @@ def discovery_command(script, path=None):
         UsageError: it names a file here that cannot be executed.
     """
     name = script.strip()
-    if not name or any(c.isspace() for c in name) or os.sep in name or shutil.which(name, path=path):
+    if not name:  # the shell runs blanks as an empty command: no hosts, ever, and a wait for them
+        raise UsageError(f"--host-discovery-script {script!r}: an empty command; give the script that prints "
+                         "the hosts")
+    if any(c.isspace() for c in name) or os.sep in name or shutil.which(name, path=path):
         return script
     if not os.path.isfile(name):
         return script

@@ -47,6 +47,7 @@ from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfi
 from .jobs import (NO_RESTART_STATUSES, SIGUSR1_STOP, Forwarder, first_failed, format_command, last_error_line,
                    make_logdir, not_restarted_line, read_exit_records, read_rank_logs, report_failure, report_success,
                    run_job, start_logs)
+from .signals import swapped_handlers
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "RESTART_STATUS", "COMMITS", "ELASTIC_TIMEOUT", "SAME_ERROR_LIMIT",
            "elastic_env",
@@ -145,7 +146,11 @@ class _Launcher:
             return self.book.update({h.name: h.slots for h in fixed})
         if first:
             try:
-                return self.book.update(run_discovery(self.discovery, self.slots_per_host or 1))
+                # Waited for before any Forwarder: a SIGTERM or SIGHUP here would end the launcher at once and
+                # leave the script's group (a session of its own) running; raised, it unwinds through
+                # run_discovery, which kills the group, as Ctrl-C's KeyboardInterrupt does.
+                with swapped_handlers((signal.SIGTERM, signal.SIGHUP), _exit_on_signal):
+                    return self.book.update(run_discovery(self.discovery, self.slots_per_host or 1))
             except DiscoveryError as exc:
                 raise UsageError(f"{exc}; fix the script, which must print 'host:slots' lines") from None
         found = self.poller.take() if self.poller is not None else None
@@ -253,6 +258,10 @@ class _Watch:
             how = "now (SIGUSR1: checkpoint and stop)"
         launcher.say(f"the hosts changed ({format_hosts(wanted)}); asking the job to stop {how} and "
                      f"restarting it at {sum(h.slots for h in wanted)} rank(s)")
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _sleep(seconds, forwarder):
@@ -372,6 +381,10 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
         _check_reachable(launcher.book.available(), stderr)
     if dry_run:
         launcher.records = plan.logdir or "ELASTIC_DIR"  # made at the real start
+        if sum(h.slots for h in launcher.book.available()) < np:  # no command to show: it would wait first
+            launcher.say(f"the hosts give {launcher.describe_hosts()} now, fewer than -np {np}: the launch would "
+                         f"wait up to {elastic_timeout:g}s (--elastic-timeout) for them before it starts anything")
+            return 0
         args, extra = launcher.args(assign(launcher.book.available(), numbers[1]), 0)
         print(_format(args, extra), file=stdout)
         return 0

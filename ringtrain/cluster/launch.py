@@ -30,6 +30,7 @@ import tempfile
 
 from ..environment import env_int
 from ..errors import UsageError
+from ..io.safeio import printable
 from .commits import check_private_directory
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
@@ -267,7 +268,10 @@ def check_request(np, command, hostfile=None, host_list=None, env=None):
         raise UsageError("give --hostfile or -H, not both")
     _check_one_copy(env)
     if _inside_mpi_job(env):
-        raise UsageError("ringtrain launch starts mpirun itself; run it without mpirun")
+        name = next(name for name in RANK_VARIABLES if name != "SLURM_PROCID" and name in env)
+        raise UsageError(f"ringtrain launch starts mpirun itself, but {name}={printable(env[name])[:40]} says this "
+                         f"process is a rank of an MPI job; run it without mpirun (or unset {name}, if it is left "
+                         "over from one)")
 
 
 def _check_one_copy(env):

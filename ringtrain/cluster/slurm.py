@@ -81,6 +81,8 @@ def expand_hostlist(text):
             if not _number(low) or (high and not _number(high)):
                 raise ValueError(f"host list {_shown(text)}: expected numbers in {_shown(word)}")
             width, first, last = len(low), int(low), int(high or low)
+            if last < first:  # Slurm never writes one; expanded, it would name no node at all
+                raise ValueError(f"host list {_shown(text)}: the range {item!r} runs backwards")
             if len(names) + max(0, last - first + 1) > MAX_NODES:
                 raise ValueError(f"host list {_shown(text)} names more than {MAX_NODES:,} nodes")
             for number in range(first, last + 1):
@@ -112,6 +114,9 @@ def expand_counts(text):
         if not match:
             raise ValueError(f"task counts {_shown(text)}: expected 'N' or 'N(xK)', got {_shown(word)}")
         repeat = int(match.group(2) or 1)
+        if repeat == 0 or int(match.group(1)) == 0:  # Slurm lists only nodes that run something, once or more
+            raise ValueError(f"task counts {_shown(text)}: {_shown(word)} gives a node no tasks, or repeats it "
+                             "no times")
         if len(counts) + repeat > MAX_NODES:
             raise ValueError(f"task counts {_shown(text)} are for more than {MAX_NODES:,} nodes")
         counts += [int(match.group(1))] * repeat
@@ -132,10 +137,14 @@ def allocation_hosts(env):
         return None
     source = "SLURM_TASKS_PER_NODE" if env.get("SLURM_TASKS_PER_NODE") else "SLURM_JOB_CPUS_PER_NODE"
     names, counts = expand_hostlist(nodes), expand_counts(env.get(source, ""))
-    if len(names) != len(counts) or not all(counts):
-        raise ValueError(f"SLURM_JOB_NODELIST={nodes} names {len(names)} node(s) and {source}="
+    if len(names) != len(counts):
+        raise ValueError(f"{_nodes_variable(env)}={nodes} names {len(names)} node(s) and {source}="
                          f"{env.get(source)} gives {len(counts)} count(s)")
     return tuple(Host(name, count) for name, count in zip(names, counts))
+
+
+def _nodes_variable(env):
+    return "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
 
 
 def allocation_tasks(env):

@@ -97,6 +97,17 @@ def test_a_discovery_script_that_prints_without_end_is_refused_in_one_line(tmp_p
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("line", ["a" * 100_000, "localhost:" + "x" * 900_000])
+def test_a_discovery_line_of_garbage_is_refused_in_a_short_line(tmp_path, line):
+    # A 100,000-character host name went whole onto mpirun's command line; a bad line was quoted whole.
+    (tmp_path / "line").write_text(line + "\n")
+    result = run(ringtrain("launch", "-np", "1", "--min-np", "1", "--host-discovery-script",
+                           f"cat {tmp_path / 'line'}", "--dry-run", "--", "true"), timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and len(lines[0]) < 400, show(result)
+    assert "host discovery script" in lines[0] and not result.stdout, show(result)
+
+
 # --- one SIGUSR1 per restart ------------------------------------------------------------------
 
 def test_hosts_that_change_and_change_back_send_the_job_one_sigusr1(tmp_path):
@@ -151,6 +162,9 @@ def test_the_same_error_limit_is_a_flag(tmp_path):
 @pytest.mark.parametrize("variables, message", [
     ({"SLURM_JOB_NODELIST": "n[1-99999999999]", "SLURM_TASKS_PER_NODE": "1"}, "names more than 100,000 nodes"),
     ({"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "1(x99999999999)"}, "are for more than 100,000 nodes"),
+    # Said what is wrong, not that 2 nodes and 2 counts do not match, nor that n[3-1] names 0 nodes.
+    ({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"}, "'0(x2)' gives a node no tasks"),
+    ({"SLURM_JOB_NODELIST": "n[3-1]", "SLURM_TASKS_PER_NODE": "1"}, "the range '3-1' runs backwards"),
 ])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 def test_slurm_lists_that_expand_without_end_are_refused_in_one_line(tmp_path, variables, message, dry_run):
@@ -160,3 +174,27 @@ def test_slurm_lists_that_expand_without_end_are_refused_in_one_line(tmp_path, v
     result = run(ringtrain("launch", "-np", "1", *dry_run, "--", "true"), timeout=30, env=env)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
     assert message in result.stderr and "Traceback" not in result.stderr, show(result)
+
+
+# --- a signal while the first discovery run is waited for -------------------------------------
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)])
+def test_a_signal_during_the_first_discovery_run_kills_the_script_and_ends_the_launch_quietly(tmp_path, signum,
+                                                                                                 status):
+    # The first run is waited for before the job starts: a stop then must end the script's whole group too
+    # (it runs in a session of its own, so the terminal's signal never reaches it), and the launcher is no
+    # MPI rank, so it must not start MPI to call itself "rank 0" and MPI_Abort.
+    script = tmp_path / "discover.sh"
+    pid_file = tmp_path / "discover.pid"
+    script.write_text(f"#!/bin/sh\necho $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}\nexec sleep 600\n")
+    script.chmod(0o755)
+    proc = start(ringtrain("launch", "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), "--",
+                           "true"), tmp_path)
+    wait_for(pid_file)
+    time.sleep(0.5)
+    os.kill(proc.pid, signum)
+    code = finish(proc, 20, f"signal {signum}")
+    text = (tmp_path / "launcher.out").read_text()
+    assert code in (status, -signum), text
+    assert "rank 0" not in text and "MPI_Abort" not in text and "Traceback" not in text, text
+    assert gone(int(pid_file.read_text())), "the discovery script outlived the launch"

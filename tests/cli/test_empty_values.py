@@ -88,3 +88,16 @@ def test_under_mpirun_an_empty_path_is_one_line_from_the_job_and_nothing_is_writ
         f"ringtrain: error: argument {flag}: an empty value; give one, or leave the flag out for the default "
         "(see 'ringtrain train --help')"], show(result)
     assert "Traceback" not in result.stdout + result.stderr and snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("script", [" ", "\t \t"])
+def test_a_discovery_command_of_blanks_is_refused_as_empty(monkeypatch, capsys, tmp_path, script):
+    # The shell runs blanks as an empty command: no host, ever, and --dry-run printed 'mpirun -np 0'.
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["launch", "-np", "1", "--min-np", "1", "--host-discovery-script", script, "--dry-run", "--",
+                       "true"])
+    out, err = capsys.readouterr()
+    assert status == 2 and not out and err.splitlines() == [
+        f"ringtrain: error: --host-discovery-script {script!r}: an empty command; give the script that prints the "
+        "hosts"], (status, out, err)
+    assert snapshot(tmp_path) == []

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from mpirun import run, ringtrain, show
+from mpirun import mpirun, run, ringtrain, show
 from mpirun import test_env as job_env
 
 SMALL = ["--dataset", "synthetic", "--samples", "200", "--features", "8", "--classes", "3", "--hidden", "8",
@@ -75,3 +75,22 @@ def test_a_batch_scripts_single_process_trains(tmp_path):
     warned = [line for line in result.stderr.splitlines() if "time limit" in line]
     assert len(warned) == 1 and warned[0].startswith("ringtrain: warning: cannot read the Slurm job's time limit ("), \
         show(result)
+
+
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_RANK", "PMI_RANK"])
+def test_launch_with_a_rank_variable_says_which_in_one_line_even_as_rank_1(tmp_path, variable):
+    # The launcher is no rank: a left-over rank variable of 1 silenced its only error (status 2, no word).
+    result = run(ringtrain("launch", "-np", "1", "--dry-run", "--", "true"), timeout=60,
+                 env=job_env(**{variable: "1"}), cwd=str(tmp_path))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, show(result)
+    assert f"{variable}=1 says this process is a rank of an MPI job" in lines[0], show(result)
+    assert not os.listdir(tmp_path)
+
+
+def test_launch_under_mpirun_says_its_line_in_every_copy(tmp_path):
+    result = mpirun(2, ringtrain("launch", "-np", "1", "--", "true"), timeout=60, cwd=str(tmp_path))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 2, show(result)
+    assert all("starts mpirun itself" in line and "PMI_RANK" in line for line in lines), show(result)
+    assert "Traceback" not in result.stderr and not os.listdir(tmp_path)

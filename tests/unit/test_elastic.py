@@ -54,6 +54,9 @@ def test_discovery_lines_give_hosts_in_order_with_default_slots():
     ("h1:1\nh1:2\n", "line 2: host h1 is listed twice"),
     ("-np:2\n", "line 1: expected 'host:slots' or 'host', got '-np:2'"),
     ("fe80::1:2\n", "line 1: 'fe80::1:2' is an IPv6 address, which MPI's host lists cannot carry"),
+    ("a" * 254 + ":1\n", f"line 1: a host name of 254 characters (at most 253), got {'a' * 77!r}..."),
+    ("a" * 9000 + ":x\n", f"line 1: a host name of 9,000 characters (at most 253), got {'a' * 77!r}..."),
+    ("h1:" + "x" * 9000 + "\n", f"line 1: expected 'host:slots' or 'host', got {'h1:' + 'x' * 74!r}..."),
 ])
 def test_a_bad_discovery_line_names_its_number(text, message):
     with pytest.raises(DiscoveryError) as err:
@@ -193,6 +196,14 @@ def test_the_dry_run_shows_the_first_starts_command_from_the_discovered_hosts(ca
     assert launch(args.np, ["true"], dry_run=True, elastic=elastic_settings(args)) == 0
     out = capsys.readouterr().out
     assert "h1:2,h2:1" in out and "-np 3" in out and "--records-only" in out, out
+
+
+@pytest.mark.parametrize("script", ["true", "echo h1:1"])
+def test_a_dry_run_with_too_few_hosts_now_says_it_would_wait_not_mpirun_np_0(capsys, script):
+    args = parsed("-np", "2", "--min-np", "1", "--host-discovery-script", script)
+    assert launch(args.np, ["true"], dry_run=True, elastic=elastic_settings(args)) == 0
+    out, err = capsys.readouterr()
+    assert not out and "fewer than -np 2: the launch would wait up to" in err and "-np 0" not in err, (out, err)
 
 
 # --- the launcher's notices ----------------------------------------------------------
@@ -472,3 +483,14 @@ def test_discovery_slots_must_be_a_plain_bounded_count(line):
     from ringtrain.cluster.discovery import DiscoveryError, parse_discovery
     with pytest.raises(DiscoveryError, match="expected 'host:slots'"):
         parse_discovery(line)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_notices_and_listening_marks_another_user_owns_are_not_believed(tmp_path):
+    # Left from when the directory was shared (refused, then chmod go-w as told), they are still theirs to
+    # rewrite: a notice of theirs would stop the job at every commit, a mark keep the launcher from signalling.
+    E.write_notice(str(tmp_path), 3, {"removed"})
+    E.write_listening(str(tmp_path), 2)
+    for name in ("hosts.json", "listening.json"):
+        os.chown(tmp_path / name, 65534, 65534)
+    assert E.read_notice(str(tmp_path)) is None and not E.is_listening(str(tmp_path), 2)

@@ -5,6 +5,7 @@ runs the real thing): a batch script has SLURM_NTASKS but no step id; an
 srun task has SLURM_STEP_ID and SLURM_STEP_NUM_TASKS.
 """
 
+import re
 import subprocess
 
 import pytest
@@ -253,3 +254,16 @@ def test_squeue_time_left_that_is_no_plain_count_is_a_value_error_not_a_crash(te
     from ringtrain.cluster.slurm import parse_time_left
     with pytest.raises(ValueError, match="expected"):
         parse_time_left(text)
+
+
+@pytest.mark.parametrize("text, message", [("n[3-1]", "runs backwards"), ("n[1,5-2]", "runs backwards")])
+def test_a_backward_range_is_refused_not_read_as_no_node(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        expand_hostlist(text)
+
+
+@pytest.mark.parametrize("text", ["0(x2)", "1(x0),1(x2)", "0"])
+def test_task_counts_of_no_tasks_or_no_nodes_are_refused_saying_so(text):
+    # The mismatch line it gave ("names 2 node(s) ... gives 2 count(s)") described no mismatch at all.
+    with pytest.raises(ValueError, match="gives a node no tasks, or repeats it no times"):
+        expand_counts(text)
