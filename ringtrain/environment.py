@@ -20,6 +20,9 @@ __all__ = ["EnvironmentValueError", "parse_int", "parse_seconds", "env_int", "en
 
 # No count, rank or port ringtrain reads needs more digits; a longer value is garbage or an attack.
 MAX_DIGITS = 12
+# Only ASCII blanks are forgiven around a value: str.strip() would also take an em space or a
+# no-break space, which no shell or job script writes by accident.
+_BLANKS = " \t\r\n"
 
 _INT = re.compile(r"-?[0-9]{1,%d}" % MAX_DIGITS)
 _DECIMAL = re.compile(r"[0-9]{1,%d}(\.[0-9]{1,9})?|\.[0-9]{1,9}" % MAX_DIGITS)
@@ -53,7 +56,7 @@ def parse_int(text, name, lo=0, hi=None, fix="unset it for the default", everywh
         everywhere: passed to the UsageError (True where every rank reads the same value).
         unit: words after "a whole number" in the error, e.g. " of seconds".
     """
-    stripped = str(text).strip()
+    stripped = str(text).strip(_BLANKS)
     if not _INT.fullmatch(stripped):
         _refuse(name, str(text), _range_words(lo, hi, unit), fix, everywhere)
     value = int(stripped)
@@ -70,7 +73,7 @@ def parse_seconds(text, name, lo=0.0, hi=None, positive=False, fix="unset it for
     what a user who typed it wants to be guessed). ``unit`` names what the number counts in the error
     (Horovod's cycle time is in milliseconds).
     """
-    stripped = str(text).strip()
+    stripped = str(text).strip(_BLANKS)
     wanted = f"a number of {unit} " + ("> 0" if positive else f">= {_shown(lo)}")
     if hi is not None:
         wanted += f" and <= {_shown(hi)}"
@@ -89,7 +92,7 @@ def _shown(number):
 def env_int(env, name, default=None, **limits):
     """The int ``env[name]`` holds, or ``default`` when it is unset or blank; see :func:`parse_int`."""
     text = env.get(name, "")
-    if not text.strip():
+    if not text.strip(_BLANKS):
         return default
     return parse_int(text, name, **limits)
 
@@ -97,7 +100,7 @@ def env_int(env, name, default=None, **limits):
 def env_seconds(env, name, default=None, **limits):
     """The seconds ``env[name]`` holds, or ``default`` when unset or blank; see :func:`parse_seconds`."""
     text = env.get(name, "")
-    if not text.strip():
+    if not text.strip(_BLANKS):
         return default
     return parse_seconds(text, name, **limits)
 
@@ -105,7 +108,7 @@ def env_seconds(env, name, default=None, **limits):
 def env_flag(env, name, default=False, everywhere=False):
     """``env[name]`` as a switch (0/1, true/false, yes/no, on/off; blank is ``default``)."""
     text = env.get(name, "")
-    value = _FLAGS.get(text.strip().lower(), "?")
+    value = _FLAGS.get(text.strip(_BLANKS).lower(), "?")
     if value == "?":
         _refuse(name, text, "0 or 1 (or true/false, yes/no, on/off)", "unset it for the default", everywhere)
     return default if value is None else value

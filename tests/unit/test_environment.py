@@ -49,3 +49,12 @@ def test_seconds_name_their_unit_and_whole_bounds_read_as_whole_numbers():
     assert str(caught.value) == ("HOROVOD_CYCLE_TIME='20000': must be a number of milliseconds >= 0 and <= 10000; "
                                  "unset it for the default")
     assert parse_seconds("0.5", "HOROVOD_CYCLE_TIME", hi=10_000, unit="milliseconds") == 0.5
+
+
+@pytest.mark.parametrize("text", ["\u20035", "5\u00a0", "\u30005"])
+def test_only_ascii_blanks_are_forgiven_around_a_number(text):
+    assert parse_int(" 5\t", "N") == 5
+    with pytest.raises(EnvironmentValueError):
+        parse_int(text, "N")
+    with pytest.raises(EnvironmentValueError):
+        parse_seconds(text, "N")
