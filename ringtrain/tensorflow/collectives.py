@@ -42,7 +42,7 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternal
            "is_homogeneous", "allreduce_async", "grouped_allreduce_async", "allgather_async",
            "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
            "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "helper", "op_name",
-           "alltoall_splits", "scatter_rows", "communicator_of", "process_set_by_id"]
+           "alltoall_splits", "scatter_rows", "communicator_of", "process_set_by_id", "call"]
 
 # Horovod's values (horovod.common.basics), so a script that stored or compared them keeps working.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -323,6 +323,16 @@ def helper(label):
     """A context for a helper's plain collectives around the engine (broadcast_variables, the optimizer's)."""
     _current()
     yield
+
+
+def call(label, process_set, run):
+    """``run(comm)`` on every member of the set after the members agree it is ``label`` (collective).
+
+    For helpers made of plain collectives (``broadcast_object``): a member
+    that is in another op instead gets a :class:`CollectiveMismatchError`,
+    as every member does, rather than pairing its messages with the helper's.
+    """
+    return synchronize(_submit(label, None, process_set, (("kind", label),), None, lambda comm, _: run(comm)))
 
 
 # Handles: each op here has finished by the time its handle exists.

@@ -13,7 +13,8 @@ collective; the result comes back as new tensors. The contract, as Horovod's:
   before it (a control dependency), so each rank runs a graph's collectives
   in the order the program wrote them, the order every member must share;
   TensorFlow would otherwise run independent ops in any order, on several
-  threads at once.
+  threads at once. (In a TF1 graph, a collective that an earlier
+  ``session.run`` already ran is left out of the chain.)
 * **Gradients.** Registered as Horovod registers them: an allreduce's is the
   same allreduce of the incoming gradient; an allgather's is this rank's rows
   of the averaged gradient; a broadcast's is the averaged gradient on the
@@ -30,6 +31,7 @@ Collective: every member of the op's process set must run the same ops in
 the same order (see :mod:`ringtrain.tensorflow.collectives`).
 """
 
+import itertools
 import weakref
 
 import numpy as np
@@ -82,13 +84,31 @@ def _finish(handle):
 
 # Running an op: eager, or a numpy_function chained after its graph's previous collective.
 
-_LAST = weakref.WeakKeyDictionary()  # graph -> the last collective op built in it
+_LAST = weakref.WeakKeyDictionary()  # graph -> (the last collective op built in it, its token)
+_RAN = set()  # tokens of the collectives of TF1 graphs that have run at least once
+_TOKENS = itertools.count()
 
 
-def _graph_function(run):
+def _graph_function(run, token):
     def body(*arrays):
+        _RAN.add(token)
         return [np.asarray(a) for a in run(*arrays)]
     return body
+
+
+def _previous(graph):
+    """The collective a new one in ``graph`` must run after, or None.
+
+    In a ``tf.function`` every op runs at each call: each collective runs
+    after the one built before it. In a TF1 graph only the ops fetched run:
+    a collective that has already run (fetched by an earlier ``session.run``)
+    is not made a dependency, or every later fetch would run it again.
+    """
+    last = _LAST.get(graph)
+    if last is None:
+        return None
+    op, token = last
+    return op if getattr(graph, "building_function", False) or token not in _RAN else None
 
 
 def _collective(run, inputs, dtypes, shapes=None):
@@ -96,12 +116,12 @@ def _collective(run, inputs, dtypes, shapes=None):
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a) for a in run(*[t.numpy() for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
-    previous = _LAST.get(graph)
+    previous, token = _previous(graph), next(_TOKENS)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.numpy_function(_graph_function(run), list(inputs), list(dtypes), stateful=True,
+        outputs = tf.numpy_function(_graph_function(run, token), list(inputs), list(dtypes), stateful=True,
                                     name="HorovodCollective")
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    _LAST[graph] = outputs[0].op
+    _LAST[graph] = (outputs[0].op, token)
     for out, shape in zip(outputs, shapes or []):
         if shape is not None:
             out.set_shape(shape)
