@@ -20,7 +20,7 @@ from ringtrain.tensorflow import (Adasum, Average, Compression, Max, Min, Produc
                                   cross_size, global_process_set, init, is_homogeneous, is_initialized, join,
                                   local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
                                   remove_process_set, shutdown, size)
-from ringtrain.tensorflow.gradients import check_arguments, make_allreduce_grads_fn, reduce_with_locals
+from ringtrain.tensorflow.gradients import check_arguments, make_allreduce_grads_fn, reduce_with_locals, source_key
 
 from . import callbacks
 
@@ -39,7 +39,7 @@ class _DistributedKerasOptimizer:
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not reduced; scaled by 1/size when ``scale_local_gradients``)."""
-        self.__dict__.setdefault("_hvd_local", set()).add(var.ref())
+        self.__dict__.setdefault("_hvd_local", set()).add(source_key(var))
 
     def _hvd_reduce(self, grads, variables):
         allreduce_grads, process_set, scale_local = self._hvd

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import ringtrain.tensorflow as hvd
+from ringtrain.tensorflow.gradients import source_key
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback"]
@@ -59,10 +60,10 @@ class BroadcastGlobalVariablesCallback(Callback):
 
     def register_local_var(self, var):
         """Leave ``var`` out of the broadcast."""
-        self._local_vars.add(var.ref())
+        self._local_vars.add(source_key(var))
 
     def _model_variables(self):
-        return [v for v in self.model.variables if v.ref() not in self._local_vars]
+        return [v for v in self.model.variables if source_key(v) not in self._local_vars]
 
     def on_train_begin(self, logs=None):
         if self.model.built:

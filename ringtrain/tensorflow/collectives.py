@@ -562,8 +562,8 @@ def broadcast_async(array, root_rank, name=None, process_set=global_process_set)
     meta = (("kind", "broadcast"), ("dtype", str(array.dtype)), ("shape", tuple(array.shape)), ("root", root_rank))
 
     def run(comm, _):
-        out = np.ascontiguousarray(array).copy()
-        comm.Bcast(out.view(np.uint8).reshape(-1), root=root)
+        out = np.array(array, copy=True, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+        comm.Bcast(out.reshape(-1).view(np.uint8), root=root)
         return out
     return _submit("broadcast", name, process_set, meta, problem, run)
 

@@ -23,7 +23,17 @@ from .mpi_ops import Adasum, Average, global_process_set
 from .reduce import grouped_allreduce
 
 __all__ = ["make_allreduce_grads_fn", "DistributedGradientTape", "PartialDistributedGradientTape",
-           "DistributedOptimizer", "check_arguments"]
+           "DistributedOptimizer", "check_arguments", "source_key"]
+
+
+def source_key(variable):
+    """A hashable key for a variable: TensorFlow's ``ref()``, or the object itself for a Keras 3 Variable.
+
+    Keras 3's ``Variable`` has no ``ref()`` (the ``AttributeError`` Horovod
+    0.28.1 fails with on TensorFlow >= 2.16); it hashes by identity.
+    """
+    ref = getattr(variable, "ref", None)
+    return ref() if ref is not None else ("object", id(variable))
 
 
 def check_arguments(op, gradient_predivide_factor, num_groups, groups):
@@ -76,7 +86,7 @@ def make_allreduce_grads_fn(name, device_dense, device_sparse, compression, spar
 
 def reduce_with_locals(allreduce_grads, grads, sources, local_refs, process_set, scale_local_gradients):
     """Reduce the gradients of the sources that are not local; scale the local ones by 1/size (Horovod's rule)."""
-    shared = [i for i, s in enumerate(sources) if s.ref() not in local_refs]
+    shared = [i for i, s in enumerate(sources) if source_key(s) not in local_refs]
     reduced = allreduce_grads([grads[i] for i in shared], [sources[i] for i in shared])
     out = list(grads)
     for i, g in zip(shared, reduced):
@@ -85,7 +95,7 @@ def reduce_with_locals(allreduce_grads, grads, sources, local_refs, process_set,
         n = (global_process_set if process_set is None else process_set).size()
         for i, s in enumerate(sources):
             g = out[i]
-            if s.ref() in local_refs and g is not None:
+            if source_key(s) in local_refs and g is not None:
                 if isinstance(g, tf.IndexedSlices):
                     out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
                 else:
@@ -104,7 +114,7 @@ class _DistributedTape:
 
     def register_local_source(self, source):
         """Keep ``source``'s gradient local: not reduced (scaled by 1/size when ``scale_local_gradients``)."""
-        self._local_sources.add(source.ref())
+        self._local_sources.add(source_key(source))
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kwargs):
         """The wrapped tape's gradients, reduced across the process set (collective)."""
@@ -119,7 +129,7 @@ class _DistributedTape:
         grads = self.gradient(target, sources, output_gradients, use_generic_names)
         local, shared = [], []
         for s, g in zip(sources, grads):
-            (local if s.ref() in self._local_sources else shared).append((s, g))
+            (local if source_key(s) in self._local_sources else shared).append((s, g))
         return local, shared
 
 
@@ -181,7 +191,7 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not reduced)."""
-        self._local_vars.add(var.ref())
+        self._local_vars.add(source_key(var))
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's gradients, reduced across the process set (collective)."""

@@ -92,7 +92,7 @@ _TOKENS = itertools.count()
 def _graph_function(run, token):
     def body(*arrays):
         _RAN.add(token)
-        return [np.asarray(a) for a in run(*arrays)]
+        return [np.asarray(a) for a in run(*[np.asarray(a) for a in arrays])]
     return body
 
 
@@ -114,7 +114,7 @@ def _previous(graph):
 def _collective(run, inputs, dtypes, shapes=None):
     """``run(*arrays) -> [arrays]`` over ``inputs``; a list of tensors of ``dtypes`` (shapes set in graphs)."""
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(a) for a in run(*[t.numpy() for t in inputs])]
+        return [tf.convert_to_tensor(a) for a in run(*[np.asarray(t.numpy()) for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
     previous, token = _previous(graph), next(_TOKENS)
     with tf.control_dependencies([previous] if previous is not None else []):
@@ -240,20 +240,27 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     return bcast(tensor)
 
 
+def _read(variable):
+    """A variable's value as a tensor: a tf.Variable's ``read_value()``, a Keras 3 Variable's tensor."""
+    return variable.read_value() if hasattr(variable, "read_value") else tf.convert_to_tensor(variable)
+
+
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """Overwrite each variable with ``root_rank``'s, in place; return their new values (collective)."""
+    """Overwrite each variable with ``root_rank``'s, in place; return their new values (collective).
+
+    Takes ``tf.Variable`` (resource or TF1 reference) and Keras 3 ``Variable`` objects.
+    """
     variables = list(variables)
-    values = [broadcast(v.read_value() if hasattr(v, "read_value") else v, root_rank,
-                        None if name is None else f"{name}.{i}", process_set=process_set)
+    values = [broadcast(_read(v), root_rank, None if name is None else f"{name}.{i}", process_set=process_set)
               for i, v in enumerate(variables)]
     if tf.executing_eagerly():
         for v, value in zip(variables, values):
             v.assign(value)
-        return [v.read_value() for v in variables]
-    assigns = [tf.compat.v1.assign(v, value) if not hasattr(v, "handle") else v.assign(value)
-               for v, value in zip(variables, values)]
-    with tf.control_dependencies(assigns):
-        return [tf.identity(v.read_value() if hasattr(v, "read_value") else v) for v in variables]
+        return [_read(v) for v in variables]
+    assigns = [v.assign(value) if hasattr(v, "handle") or not hasattr(v, "read_value")
+               else tf.compat.v1.assign(v, value) for v, value in zip(variables, values)]
+    with tf.control_dependencies([a for a in assigns if a is not None]):
+        return [tf.identity(_read(v)) for v in variables]
 
 
 # Alltoall.
