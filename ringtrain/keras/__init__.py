@@ -22,14 +22,14 @@ from ringtrain.tensorflow import (Adasum, Average, Compression, Max, Min, Produc
                                   remove_process_set, shutdown, size)
 from ringtrain.tensorflow.gradients import check_arguments, make_allreduce_grads_fn, reduce_with_locals, source_key
 
-from . import callbacks
+from . import callbacks, elastic
 
 __all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
            "allgather_object", "barrier", "broadcast_object", "broadcast_variables", "cross_rank", "cross_size",
            "global_process_set", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "rank", "remove_process_set", "shutdown", "size",
            "callbacks", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
-           "reducescatter", "load_model"]
+           "reducescatter", "load_model", "elastic"]
 
 
 class _DistributedKerasOptimizer:

@@ -19,7 +19,7 @@ except ModuleNotFoundError as exc:  # one line that names the fix, not a traceba
     raise ModuleNotFoundError("ringtrain.tensorflow needs tensorflow, which is not installed: pip install "
                               "tensorflow-cpu==2.21.0 (or the [tensorflow] extra)", name="tensorflow") from exc
 
-from . import mpi_ops, util
+from . import elastic, mpi_ops, util
 from .collectives import CollectiveMismatchError, HorovodInternalError
 from .compression import Compression
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn,
@@ -53,4 +53,4 @@ __all__ = ["CollectiveMismatchError", "HorovodInternalError", "Compression", "al
            "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
            "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
            "allreduce", "grouped_allreduce", "grouped_reducescatter", "reducescatter", "SyncBatchNormalization",
-           "mpi_ops", "util"]
+           "mpi_ops", "util", "elastic"]

@@ -30,6 +30,7 @@ member of its process set.
 import contextlib
 import itertools
 import sys
+import threading
 
 import numpy as np
 
@@ -42,7 +43,7 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternal
            "is_homogeneous", "allreduce_async", "grouped_allreduce_async", "allgather_async",
            "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
            "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "helper", "op_name",
-           "alltoall_splits", "scatter_rows", "communicator_of", "process_set_by_id", "call"]
+           "alltoall_splits", "scatter_rows", "communicator_of", "process_set_by_id", "call", "default_name"]
 
 # Horovod's values (horovod.common.basics), so a script that stored or compared them keeps working.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -362,8 +363,29 @@ def synchronize(handle):
     return result
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def default_name(name):
+    """Ops submitted without a name in this block (on this thread) take ``name``, and are matched by it."""
+    _local.name = name
+    try:
+        yield
+    finally:
+        _local.name = None
+
+
 def _submit(kind, name, process_set, meta, problem, run):
-    """Negotiate ``meta`` with the set's members, then ``run(comm)``; a handle to the result or the error."""
+    """Negotiate ``meta`` with the set's members, then ``run(comm)``; a handle to the result or the error.
+
+    A named op (or one in a :func:`default_name` block) must carry the same
+    name on every member: ranks that run differently named ops at once get
+    a :class:`CollectiveMismatchError` instead of each other's data.
+    """
+    name = name if name is not None else getattr(_local, "name", None)
+    if name is not None:
+        meta = (*meta, ("name", str(name)))
     comm = _set_comm(kind, process_set)
     label = f"{kind} {name!r}" if name else kind
     guard = guard_of(comm)

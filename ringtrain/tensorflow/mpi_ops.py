@@ -31,7 +31,7 @@ Collective: every member of the op's process set must run the same ops in
 the same order (see :mod:`ringtrain.tensorflow.collectives`).
 """
 
-import itertools
+import threading
 import weakref
 
 import numpy as np
@@ -85,14 +85,20 @@ def _finish(handle):
 # Running an op: eager, or a numpy_function chained after its graph's previous collective.
 
 _LAST = weakref.WeakKeyDictionary()  # graph -> (the last collective op built in it, its token)
-_RAN = set()  # tokens of the collectives of TF1 graphs that have run at least once
-_TOKENS = itertools.count()
+_RAN = set()  # tokens (graph id, index) of the TF1 graph collectives that have run at least once
+_COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> collectives built in it so far
+_TF1_LOCK = threading.Lock()  # a TF1 session may run independent collectives on several threads at once
 
 
-def _graph_function(run, token):
+def _graph_function(run, name, token):
+    """The numpy_function body; in a TF1 graph, one collective at a time, matched across ranks by ``name``."""
     def body(*arrays):
-        _RAN.add(token)
-        return [np.asarray(a) for a in run(*[np.asarray(a) for a in arrays])]
+        arrays = [np.asarray(a) for a in arrays]
+        if name is None:
+            return [np.asarray(a) for a in run(*arrays)]
+        with _TF1_LOCK, engine.default_name(name):
+            _RAN.add(token)
+            return [np.asarray(a) for a in run(*arrays)]
     return body
 
 
@@ -102,7 +108,11 @@ def _previous(graph):
     In a ``tf.function`` every op runs at each call: each collective runs
     after the one built before it. In a TF1 graph only the ops fetched run:
     a collective that has already run (fetched by an earlier ``session.run``)
-    is not made a dependency, or every later fetch would run it again.
+    is not made a dependency, or every later fetch would run it again (a
+    training step would broadcast the initial weights again); collectives a
+    session may then run in either order are matched by name (the n-th
+    collective built in the graph), so ranks that ran them in different
+    orders get an error, not each other's data.
     """
     last = _LAST.get(graph)
     if last is None:
@@ -116,9 +126,13 @@ def _collective(run, inputs, dtypes, shapes=None):
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a) for a in run(*[np.asarray(t.numpy()) for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
-    previous, token = _previous(graph), next(_TOKENS)
+    name = token = None
+    if not getattr(graph, "building_function", False):
+        _COUNTS[graph] = _COUNTS.get(graph, 0) + 1
+        name, token = f"graph-collective.{_COUNTS[graph]}", (id(graph), _COUNTS[graph])
+    previous = _previous(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.numpy_function(_graph_function(run, token), list(inputs), list(dtypes), stateful=True,
+        outputs = tf.numpy_function(_graph_function(run, name, token), list(inputs), list(dtypes), stateful=True,
                                     name="HorovodCollective")
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     _LAST[graph] = (outputs[0].op, token)

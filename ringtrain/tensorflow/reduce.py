@@ -39,7 +39,7 @@ def _sparse_allreduce(slices, op, process_set):
     out = []
     for s, v, i in zip(slices, values, indices):
         if op == Average:
-            v = v / tf.cast(n, v.dtype) if v.dtype.is_floating else tf.cast(v / n, v.dtype)
+            v = v / tf.cast(n, v.dtype)  # (integers become floats, as in Horovod: TensorFlow's true division)
         out.append(tf.IndexedSlices(v, i, dense_shape=s.dense_shape))
     return out
 
