@@ -14,7 +14,7 @@ Keras (``DistributedOptimizer`` for Keras optimizers, callbacks): :mod:`ringtrai
 """
 
 try:
-    import tensorflow  # noqa: F401 - every module below imports it at the top
+    import tensorflow
 except ModuleNotFoundError as exc:  # one line that names the fix, not a traceback through five modules
     raise ModuleNotFoundError("ringtrain.tensorflow needs tensorflow, which is not installed: pip install "
                               "tensorflow-cpu==2.21.0 (or the [tensorflow] extra)", name="tensorflow") from exc
@@ -24,7 +24,8 @@ from .collectives import CollectiveMismatchError, HorovodInternalError
 from .compression import Compression
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
-from .gradients import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
+from . import gradients, keras_optimizer
+from .gradients import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, add_process_set, allgather, alltoall,
                       barrier, broadcast, broadcast_, ccl_built, check_num_rank_power_of_2, cross_rank, cross_size,
                       cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, grouped_allgather,
@@ -34,6 +35,21 @@ from .mpi_ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, add_p
                       rocm_built, shutdown, size, size_op, start_timeline, stop_timeline)
 from .reduce import allreduce, grouped_allreduce, grouped_reducescatter, reducescatter
 from .sync_batch_norm import SyncBatchNormalization
+
+
+
+def DistributedOptimizer(optimizer, *args, **kwargs):  # noqa: N802 - Horovod's name
+    """Horovod's ``DistributedOptimizer``: a TF1 optimizer (:mod:`.gradients`) or a Keras one (:mod:`.keras_optimizer`).
+
+    Takes Horovod's arguments (``compression``, ``sparse_as_dense``, ``op``,
+    ``gradient_predivide_factor``, ``process_set``...) and returns an
+    optimizer whose gradients are averaged across the process set.
+    """
+    if isinstance(optimizer, tensorflow.compat.v1.train.Optimizer):
+        return gradients.DistributedOptimizer(optimizer, *args, **kwargs)
+    kwargs.pop("use_locking", None)
+    return keras_optimizer.DistributedOptimizer(optimizer, *args, **kwargs)
+
 
 # Horovod's private names that its tests and keras layers reach for.
 _allreduce = mpi_ops.allreduce_op

@@ -220,23 +220,12 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a TF1 optimizer (``tf.compat.v1.train.Optimizer``) or a Keras one (see :mod:`ringtrain.keras`).
+    """Wrap a TF1 optimizer (``tf.compat.v1.train.Optimizer``); ``hvd.DistributedOptimizer`` sends Keras ones on.
 
     Raises:
-        NotImplementedError: ``backward_passes_per_step > 1`` with a TF1
-            optimizer, or ``op=Adasum``.
+        NotImplementedError: ``backward_passes_per_step > 1``, or ``op=Adasum``.
     """
     groups = check_arguments(op, gradient_predivide_factor, num_groups, groups)
-    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        from .. import keras as rt_keras
-
-        return rt_keras.DistributedOptimizer(optimizer, name=name, device_dense=device_dense,
-                                             device_sparse=device_sparse, compression=compression,
-                                             sparse_as_dense=sparse_as_dense,
-                                             gradient_predivide_factor=gradient_predivide_factor,
-                                             backward_passes_per_step=backward_passes_per_step, op=op,
-                                             average_aggregated_gradients=average_aggregated_gradients,
-                                             process_set=process_set, scale_local_gradients=scale_local_gradients)
     if backward_passes_per_step > 1:
         raise NotImplementedError("backward_passes_per_step > 1 is not implemented by ringtrain.tensorflow for "
                                   "tf.compat.v1 optimizers; use a Keras optimizer (ringtrain.keras)")
