@@ -63,22 +63,27 @@ def parse_int(text, name, lo=0, hi=None, fix="unset it for the default", everywh
 
 
 def parse_seconds(text, name, lo=0.0, hi=None, positive=False, fix="unset it for the default",
-                  everywhere=False):
+                  everywhere=False, unit="seconds"):
     """``text`` as a finite number of seconds (plain decimal, no sign or exponent), checked (pure).
 
     ``positive=True`` refuses 0 as well (a bound of 0 s would fire at once, or mean "off": neither is
-    what a user who typed it wants to be guessed).
+    what a user who typed it wants to be guessed). ``unit`` names what the number counts in the error
+    (Horovod's cycle time is in milliseconds).
     """
     stripped = str(text).strip()
-    wanted = "a number of seconds " + ("> 0" if positive else f">= {lo:g}")
+    wanted = f"a number of {unit} " + ("> 0" if positive else f">= {_shown(lo)}")
     if hi is not None:
-        wanted += f" and <= {hi:g}"
+        wanted += f" and <= {_shown(hi)}"
     if not _DECIMAL.fullmatch(stripped):
         _refuse(name, str(text), wanted, fix, everywhere)
     value = float(stripped)
     if value < lo or (positive and value <= 0) or (hi is not None and value > hi):
         _refuse(name, str(text), wanted, fix, everywhere)
     return value
+
+
+def _shown(number):
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
 
 
 def env_int(env, name, default=None, **limits):

@@ -1,4 +1,8 @@
-"""The PyTorch wing: the only part of ringtrain that touches torch.
+"""The PyTorch face: the only part of ringtrain that touches torch.
+
+Horovod's PyTorch API (``import ringtrain.torch as hvd``) over the
+framework-neutral engine (:mod:`ringtrain.engine`): the face turns tensors
+into zero-copy arrays and back, and keeps autograd and in-place semantics.
 
 * :mod:`ringtrain.torch.interop`: zero-copy views between tensors and
   ringtrain arrays, parameter broadcast and gradient averaging;
@@ -16,7 +20,7 @@ from .model import TorchModel
 
 # Horovod's basics: init, ranks, op constants, errors (import ringtrain.torch as hvd).
 from .errors import HorovodInternalError, HostsUpdatedInterrupt
-from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
+from ..engine.reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                       gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                       mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
@@ -25,12 +29,12 @@ from .runtime import (ccl_built, communicator, cross_rank, cross_size, cuda_buil
 from .autograd import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_, grouped_allgather,
                        grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter,
                        sparse_allreduce_async)
-from .handles import poll, synchronize
+from ..engine.handles import poll, synchronize
 from .ops_async import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, barrier,
                         broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_async,
                         grouped_allreduce_async_, grouped_reducescatter_async, join, reducescatter_async,
                         start_timeline, stop_timeline)
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..engine.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 # Horovod's training helpers: the distributed optimizer, broadcasts of state, SyncBatchNorm.
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters

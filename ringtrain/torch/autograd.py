@@ -25,12 +25,12 @@ Each is collective: every rank of the process set must make the same calls.
 
 import torch
 
-from . import handles, runtime
+from ..engine import handles, runtime
 from .ops_async import (allgather_async, alltoall_async, broadcast_async, broadcast_async_, grouped_allgather_async,
                         grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async, resolve_op)
 from .ops_async import allreduce_async, allreduce_async_, grouped_allreduce_async_
-from .process_sets import global_process_set
-from .reduce_ops import Average, Sum
+from ..engine.process_sets import global_process_set
+from ..engine.reduce_ops import Average, Sum
 
 __all__ = ["allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
            "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "sparse_allreduce_async"]

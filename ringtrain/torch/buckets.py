@@ -41,7 +41,7 @@ import torch
 from ..comm.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from ..comm.hooks import allreduce_hook
 from ..comm.reducer import Reducer
-from .interop import as_array
+from .tensors import as_array, sync
 
 __all__ = ["GradientBuckets", "match_problem", "wire_dtype"]
 
@@ -138,9 +138,7 @@ class GradientBuckets:
         reducer, name, slot, array = self._slot[p]
         with torch.no_grad():
             _stage(p.grad, slot, self.prescale)
-        if slot.device.type == "cuda":
-            # The reducer hands the slot to MPI from another thread; torch's copy must be done by then.
-            torch.cuda.current_stream(slot.device).synchronize()
+        sync([slot])  # the reducer hands the slot to MPI from another thread; torch's copy must be done by then
         self._pushed.add(p)
         reducer.push(name, array)
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from ..comm import allreduce_, broadcast_
-from . import process_sets as scope
-from . import runtime
-from .errors import CollectiveMismatchError
+from ..engine import process_sets as scope
+from ..engine import runtime
+from ..engine.errors import CollectiveMismatchError
 from .interop import broadcast_tensors_
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

@@ -9,8 +9,8 @@ through the trainer. It needs torch, as the rest of :mod:`ringtrain.torch`
 does; ``import ringtrain`` alone does not load it.
 
 CUDA tensors are reduced through the GPU path (CUDA IPC on one host, a
-CUDA-aware MPI or host staging across hosts) after torch's stream is
-synchronised.
+CUDA-aware MPI or host staging across hosts) after the stream of each
+tensor's own device is synchronised (:mod:`ringtrain.torch.tensors`).
 
 Collective: every rank must call :func:`average_gradients_` after the same
 backward, for modules of the same architecture, in the same order as every
@@ -30,50 +30,19 @@ Example (five calls, as in Horovod's examples)::
 
 import numpy as np
 
-from .. import backend
 from ..comm import allreduce_, allreduce_many_, broadcast_
 from ..comm.state import state_of
 from ..comm.guard import collective
 from ..backend import contiguous_span
+from .tensors import as_array, as_tensor, sync
 
 __all__ = ["average_gradients_", "broadcast_parameters_", "broadcast_tensors_", "bucket_view_", "gradient_arrays",
            "as_array", "as_tensor"]
 
 
-def as_array(tensor):
-    """A zero-copy view of a tensor's memory: NumPy for a CPU tensor, CuPy (DLPack) for a CUDA one.
-
-    Writing the array writes the tensor. Autograd does not see such writes;
-    use it on ``detach()``-ed tensors, parameters' ``.data`` and gradients.
-
-    Raises:
-        ValueError: for a tensor on any other device, or a CUDA tensor where CuPy sees no GPU.
-    """
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor.numpy()
-    if tensor.device.type == "cuda":
-        # DLPack shares the allocation; CuPy is reached through backend, the one module that imports it.
-        return backend.xp_for("gpu").from_dlpack(tensor)
-    raise ValueError(f"a tensor on {tensor.device}: ringtrain works with CPU and CUDA tensors")
-
-
-def as_tensor(array):
-    """A zero-copy torch view of a NumPy array (CPU) or a CuPy array (CUDA, through DLPack)."""
-    import torch
-
-    if isinstance(array, np.ndarray):
-        return torch.from_numpy(array)
-    return torch.from_dlpack(array)
-
-
 def _synchronized(tensors):
     """``tensors``, with torch's queued CUDA work on them finished (ringtrain's collectives read them next)."""
-    if any(t.device.type == "cuda" for t in tensors):
-        import torch
-
-        torch.cuda.current_stream().synchronize()
-    return tensors
+    return sync(tensors)
 
 
 def gradient_arrays(module):

@@ -64,12 +64,12 @@ import warnings
 
 import torch
 
-from . import process_sets as scope
-from . import runtime
+from ..engine import process_sets as scope
+from ..engine import runtime
 from .buckets import GradientBuckets, match_problem, wire_dtype
-from .errors import CollectiveMismatchError
+from ..engine.errors import CollectiveMismatchError
 from .functions import allgather_object
-from .reduce_ops import Average, Max, Min, Sum, op_name
+from ..engine.reduce_ops import Average, Max, Min, Sum, op_name
 
 __all__ = ["DistributedOptimizer", "Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 

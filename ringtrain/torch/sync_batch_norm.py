@@ -20,9 +20,9 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm import allreduce
-from . import process_sets as scope
-from . import runtime
-from .interop import as_array, as_tensor
+from ..engine import process_sets as scope
+from ..engine import runtime
+from .tensors import as_array, as_tensor, sync
 
 __all__ = ["SyncBatchNorm"]
 
@@ -30,9 +30,7 @@ __all__ = ["SyncBatchNorm"]
 def _reduce(tensor, comm):
     """The sum of ``tensor`` over the ranks of ``comm``, as a new tensor (collective)."""
     tensor = tensor.detach().contiguous()
-    if tensor.device.type == "cuda":
-        # ringtrain reads the memory next, through CuPy: torch's kernels must be done.
-        torch.cuda.current_stream(tensor.device).synchronize()
+    sync([tensor])  # ringtrain reads the memory next, through CuPy: torch's kernels must be done
     with runtime.current().engine.helper("SyncBatchNorm: the statistics' allreduce"):
         return as_tensor(allreduce(as_array(tensor), op="sum", comm=comm)).to(tensor.device)
 

@@ -18,7 +18,7 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
 hvd = pytest.importorskip("ringtrain.torch")
 
-from ringtrain.torch.kernels import scatter_rows  # noqa: E402 - after the importorskip above
+from ringtrain.engine.kernels import scatter_rows  # noqa: E402 - after the importorskip above
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
           torch.float32, torch.float64]

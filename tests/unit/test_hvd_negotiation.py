@@ -1,30 +1,30 @@
-"""The pure parts of ringtrain.torch's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
+"""The pure parts of ringtrain's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
 
 import math
+import threading
 
 import numpy as np
 import pytest
 
-from ringtrain.errors import UsageError
-
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
 
-from ringtrain.torch import kernels  # noqa: E402 - after the importorskip above
-from ringtrain.torch.engine import stall_times  # noqa: E402
-from ringtrain.torch.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Board, Names, conflicts,  # noqa: E402
-                                         first_difference, join_blocks, same_value, stall_report, verdict)
-from ringtrain.torch.ops_async import alltoall_splits  # noqa: E402
+from ringtrain.engine import kernels  # noqa: E402 - after the importorskip above
+from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Allgather, Allreduce, Alltoall,  # noqa: E402
+                                          Announcement, Barrier, Board, Broadcast, Grouped, Names, Reducescatter,
+                                          Refused, conflicts, first_difference, join_blocks, same_value,
+                                          stall_report, thread_label, verdict)
+from ringtrain.engine.ops import alltoall_splits  # noqa: E402
+from ringtrain.torch.tensors import array_of, check_tensor, dtype_name, tensor_of  # noqa: E402
 
 MEMBERS = (0, 1, 2)
 
 
 def reduction(shape=(4,), dtype="float32", op="sum", prescale=1.0, kind="allreduce"):
-    return (("kind", kind), ("dtype", dtype), ("shape", shape), ("op", op), ("prescale", prescale),
-            ("postscale", 1.0), ("device", "cpu"))
+    return {"allreduce": Allreduce, "reducescatter": Reducescatter}[kind](dtype, shape, op, prescale, 1.0, "cpu")
 
 
-def announced(*metas, data=None):
-    return {r: (m, None, data) for r, m in zip(MEMBERS, metas)}
+def announced(*records, data=None):
+    return {r: Announcement(m, None, data) for r, m in zip(MEMBERS, records)}
 
 
 def test_every_rank_reaches_the_same_verdict_and_the_first_field_that_differs_is_named():
@@ -49,18 +49,18 @@ def test_small_ops_whose_data_came_with_them_are_computed_on_the_spot_and_the_re
     meta = reduction()
     assert verdict("allreduce.x", MEMBERS, announced(meta, meta, meta, data=b"1234")).action == LOCAL
     assert verdict("allreduce.x", MEMBERS, announced(meta, meta, meta)).action == ORDERED
-    barrier = (("kind", "barrier"),)
+    barrier = Barrier()
     assert verdict("barrier.b", MEMBERS, announced(barrier, barrier, barrier)).action == LOCAL
-    bcast = (("kind", "broadcast"), ("dtype", "float32"), ("shape", (2,)), ("root", 2), ("device", "cpu"))
+    bcast = Broadcast("float32", (2,), 2, "cpu")
     by_rank = announced(bcast, bcast, bcast)
     assert verdict("broadcast.b", MEMBERS, by_rank).action == ORDERED
-    by_rank[2] = (bcast, None, b"12345678")  # the root's data came with its announcement
+    by_rank[2] = Announcement(bcast, None, b"12345678")  # the root's data came with its announcement
     assert verdict("broadcast.b", MEMBERS, by_rank).action == LOCAL
 
 
 def test_a_refusal_and_a_joined_rank_decide_the_verdict_for_everyone():
-    refused = (("kind", "alltoall"), ("refused", "alltoall: splits must hold 3 counts"))
-    meta = (("kind", "alltoall"), ("dtype", "float32"), ("trailing shape", ()), ("device", "cpu"))
+    refused = Refused("alltoall", "alltoall: splits must hold 3 counts")
+    meta = Alltoall("float32", (), "cpu")
     v = verdict("alltoall.x", MEMBERS, announced(meta, refused, meta))
     assert v.action == FAIL and v.error == "alltoall 'x': rank 1 refused it: alltoall: splits must hold 3 counts"
     v = verdict("allreduce.x", MEMBERS, announced(reduction(), JOINED, reduction(), data=b"data"))
@@ -70,10 +70,10 @@ def test_a_refusal_and_a_joined_rank_decide_the_verdict_for_everyone():
 
 
 def test_grouped_ops_differ_by_length_then_by_tensor():
-    one = (("kind", "allreduce"), ("parts", (reduction(), reduction())))
-    three = (("kind", "allreduce"), ("parts", (reduction(), reduction(), reduction())))
+    one = Grouped("allreduce", (reduction(), reduction()))
+    three = Grouped("allreduce", (reduction(), reduction(), reduction()))
     assert first_difference([one, three]) == "grouped length: 2 and 3"
-    other = (("kind", "allreduce"), ("parts", (reduction(), reduction(shape=(9,)))))
+    other = Grouped("allreduce", (reduction(), reduction(shape=(9,))))
     assert first_difference([one, other]) == "tensor 1 shape: (4,) and (9,)"
 
 
@@ -96,6 +96,23 @@ def test_unnamed_ops_are_counted_per_process_set_and_kind():
             names.next(0, "broadcast")] == ["noname.0", "noname.1", "noname.0", "noname.0"]
 
 
+def test_each_threads_unnamed_ops_are_named_apart_so_two_threads_never_pair():
+    names = Names()
+    seen = {}
+
+    def submit():
+        label = thread_label(threading.current_thread())
+        seen[label] = [names.next(0, "allreduce", label) for _ in range(2)]
+
+    for name in ("loader", "trainer"):
+        t = threading.Thread(target=submit, name=name)
+        t.start()
+        t.join()
+    assert thread_label(threading.main_thread()) is None and names.next(0, "allreduce") == "noname.0"
+    assert seen == {"loader": ["noname.loader.0", "noname.loader.1"],
+                    "trainer": ["noname.trainer.0", "noname.trainer.1"]}
+
+
 def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_conflict_once_it_lingers():
     waiting = [("allreduce.x", 2.0, [1]), ("allreduce.y", 2.0, [1]), ("allreduce.z", 0.1, [1])]
     reports = {1: [(0, "allgather.x"), (3, "allreduce.y"), (0, "allgather.z")]}
@@ -111,11 +128,11 @@ def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
 
 
 def test_only_allreduces_wait_for_a_rank_that_has_joined():
-    gather = (("kind", "allgather"),)
-    assert join_blocks("allgather.x", [1], {0: (gather, None, None)}) == [1]  # rank 1 never will
-    assert join_blocks("allgather.x", [1], {0: (gather, None, None), 1: (gather, None, None)}) is None
-    assert join_blocks("allreduce.x", [1], {0: (reduction(), None, None)}) is None  # rank 1 adds zeros
-    assert join_blocks("allgather.x", [], {0: (gather, None, None)}) is None
+    gather = Announcement(Allgather("float32", (), "cpu"))
+    assert join_blocks("allgather.x", [1], {0: gather}) == [1]  # rank 1 never will
+    assert join_blocks("allgather.x", [1], {0: gather, 1: gather}) is None
+    assert join_blocks("allreduce.x", [1], {0: Announcement(reduction())}) is None  # rank 1 adds zeros
+    assert join_blocks("allgather.x", [], {0: gather}) is None
 
 
 def test_horovods_stall_warning_names_the_missing_ranks_and_marks_those_past_the_shutdown_time():
@@ -127,23 +144,11 @@ def test_horovods_stall_warning_names_the_missing_ranks_and_marks_those_past_the
     assert stall_report(0, MEMBERS, waiting[2:], warn_s=2.0, shutdown_s=5.0) == (None, False)
 
 
-def test_stall_variables_parse_as_horovods_and_bad_values_are_one_line_errors(capsys):
-    assert stall_times({}) == (60.0, 0.0)
-    assert stall_times({"HOROVOD_STALL_CHECK_DISABLE": "1"}) == (None, 0.0)
-    assert stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}) \
-        == (2.0, 5.0)
-    assert stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "9", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}) \
-        == (9.0, 0.0)
-    assert "will not shutdown" in capsys.readouterr().err
-    with pytest.raises(UsageError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='soon': must be a number of seconds"):
-        stall_times({"HOROVOD_STALL_CHECK_TIME_SECONDS": "soon"})
-
-
 def test_alltoall_splits_are_checked_on_the_rank_that_passes_them():
     assert alltoall_splits(6, None, 3) == [2, 2, 2]
-    assert alltoall_splits(6, torch.tensor([0, 5, 1], dtype=torch.int32), 3) == [0, 5, 1]
+    assert alltoall_splits(6, np.array([0, 5, 1], dtype=np.int32), 3) == [0, 5, 1]
     assert alltoall_splits(6, [1, 1, 0], 3) == [1, 1, 0]  # rows left over stay behind
-    for rows, splits, message in [(7, None, "not a multiple"), (6, torch.ones(3), "int32"),
+    for rows, splits, message in [(7, None, "not a multiple"), (6, np.ones(3), "int32"),
                                   (6, [1, 1], "3 counts of at least 0"), (6, [-1, 1, 1], "3 counts"),
                                   (2, [1, 1, 1], "more than the first dimension")]:
         with pytest.raises(ValueError, match=message):
@@ -151,10 +156,10 @@ def test_alltoall_splits_are_checked_on_the_rank_that_passes_them():
 
 
 def test_tensors_no_collective_takes_are_named_in_one_line():
-    assert kernels.check_tensor(torch.ones(2), "allreduce") is None
-    assert "expected a torch.Tensor, got list" in kernels.check_tensor([1.0], "allreduce")
-    assert "complex64 is not supported" in kernels.check_tensor(torch.ones(2, dtype=torch.complex64), "allreduce")
-    assert "sparse tensor" in kernels.check_tensor(torch.ones(2).to_sparse(), "allreduce")
+    assert check_tensor(torch.ones(2), "allreduce") is None
+    assert "expected a torch.Tensor, got list" in check_tensor([1.0], "allreduce")
+    assert "complex64 is not supported" in check_tensor(torch.ones(2, dtype=torch.complex64), "allreduce")
+    assert "sparse tensor" in check_tensor(torch.ones(2).to_sparse(), "allreduce")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
@@ -164,11 +169,13 @@ def test_a_small_op_computed_on_the_spot_matches_a_reference_reduction(dtype, op
     rng = np.random.default_rng(3)
     values = [rng.integers(0 if dtype in (torch.uint8, torch.bool) else -3, 4, size=5) for _ in range(3)]
     inputs = [torch.tensor(v).to(dtype) for v in values]
-    meta = reduction(shape=(5,), dtype=kernels.dtype_name(dtype), op=op)
-    out = torch.empty(5, dtype=dtype)
+    meta = reduction(shape=(5,), dtype=dtype_name(dtype), op=op)
+    out, element = array_of(torch.empty(5, dtype=dtype))
+    views = [array_of(t)[0] for t in inputs]
     # Rank 1's input arrives as raw bytes, as it would from another rank.
-    got = kernels.reduce_locally(meta, [inputs[0], kernels.raw_bytes(inputs[1]), inputs[2]], out)
+    got = kernels.reduce_locally(meta, [views[0], kernels.raw_bytes(views[1]), views[2]], out)
     assert got is out
+    got = tensor_of(got, element)
     stacked = np.stack([v.astype(np.float64) for v in values])
     if dtype == torch.bool:
         want = stacked.any(0) if op in ("sum", "average", "max") else stacked.all(0)
@@ -188,12 +195,13 @@ def test_a_small_op_computed_on_the_spot_matches_a_reference_reduction(dtype, op
 def test_the_fast_sum_gives_the_bits_of_summing_in_member_order():
     rng = np.random.default_rng(0)
     inputs = [torch.tensor(rng.standard_normal(64), dtype=torch.float32) for _ in range(4)]
-    out = inputs[2]  # in place, in the middle: its own value must be read before it is overwritten
     want = ((inputs[0] + inputs[1] + inputs[2].clone() + inputs[3]) / 4).numpy()
-    got = kernels.reduce_locally(reduction(shape=(64,), op="average"), list(inputs), out)
-    np.testing.assert_array_equal(got.numpy(), want)
+    views = [t.numpy() for t in inputs]
+    # In place, in the middle: its own value must be read before it is overwritten.
+    got = kernels.reduce_locally(reduction(shape=(64,), op="average"), views, views[2])
+    np.testing.assert_array_equal(got, want)
 
 
 def test_fusion_keys_treat_nan_factors_alike():
-    assert kernels.fuse_key(reduction(prescale=float("nan"))) == kernels.fuse_key(reduction(prescale=math.nan))
-    assert kernels.fuse_key(reduction(shape=(3,))) == kernels.fuse_key(reduction(shape=(9,)))
+    assert reduction(prescale=float("nan")).fuse_key() == reduction(prescale=math.nan).fuse_key()
+    assert reduction(shape=(3,)).fuse_key() == reduction(shape=(9,)).fuse_key()

@@ -6,6 +6,8 @@ breaks the house fails here with the module's name, not at a user's import.
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +20,7 @@ LEVELS = {
     "errors": 0, "backend": 0, "environment": 0,
     "failure": 1, "watchdog": 1, "optim": 1, "io": 1, "cluster": 1, "data": 1,
     "comm": 2, "models": 2,
-    "training": 3, "torch": 3, "tensorflow": 3, "keras": 3,
+    "training": 3, "engine": 3, "torch": 3, "tensorflow": 3, "keras": 3,
     "commands": 4, "cli": 4, "__main__": 4, "__init__": 4, "horovod": 4,
 }
 MAX_TOP_MODULES = 10
@@ -178,3 +180,17 @@ def test_optional_libraries_are_imported_in_one_wing(library, home):
                if isinstance(node, ast.Import) and any(a.name.split(".")[0] == library for a in node.names)
                or isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == library]
     assert not outside, f"{library} imported outside ringtrain/{home}: {outside}"
+
+
+def test_the_engine_imports_neither_torch_nor_tensorflow():
+    # Imported for real, in a fresh interpreter: a framework pulled in through any module (ours or a
+    # library's) would show in sys.modules, which the ast walk above cannot see.
+    engine = sorted(f"ringtrain.{name}".removesuffix(".__init__") for name in MODULES if _wing(name) == "engine")
+    code = ("import importlib, sys\n"
+            f"for name in {engine!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras', 'jax')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(PACKAGE))
+    assert done.returncode == 0, done.stderr
+    assert len(engine) >= 8 and done.stdout.strip() == "[]", done.stdout

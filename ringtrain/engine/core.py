@@ -1,4 +1,4 @@
-"""The engine behind Horovod's collectives: one per :func:`~ringtrain.torch.runtime.init`, and its failure model.
+"""The engine behind Horovod's collectives: one per :func:`~ringtrain.engine.runtime.init`, and its failure model.
 
 The contract.
 
@@ -6,13 +6,15 @@ The contract.
   ``broadcast``, ``alltoall``, ``reducescatter``, ``barrier``, their
   async and grouped forms) is collective over its process set: every
   member must submit an op of the same name (unnamed ops are named
-  ``noname.<n>`` by a counter per process set and kind, so ranks making the
-  same unnamed calls in the same order match). ``join`` is collective over
+  ``noname.<n>`` by a counter per process set, kind and thread, so ranks
+  making the same unnamed calls in the same order on the same thread
+  match, and two threads' unnamed ops never pair: :class:`Names
+  <ringtrain.engine.negotiation.Names>`). ``join`` is collective over
   every rank; so are ``init``, ``shutdown``, ``add_process_set``,
   ``remove_process_set`` and ``stop_timeline``, in the same order everywhere.
 * **Ordering.** Within a process set, ranks may submit named ops in any
   order. Each member tells every other member what it submits
-  (:mod:`ringtrain.torch.channel`); once a member has heard an op from every
+  (:mod:`ringtrain.engine.channel`); once a member has heard an op from every
   member it knows, as they all do, whether it fails (they disagree), is
   computed on the spot (a small CPU allreduce, broadcast or barrier: its
   data came with the announcements), or is a collective, which every member
@@ -70,20 +72,18 @@ What fails how.
 """
 
 import itertools
-import os
 import sys
 import threading
 import time
 
 from ..comm.guard import HINT, get_timeout
-from ..errors import UsageError
 from ..failure import describe
 from .channel import PROBE_S, TICK_S, Channel, Entry
 from .errors import HorovodInternalError
 from .handles import Pending
-from .negotiation import Names, op_key
+from .negotiation import Call, Names, Refused, op_key, thread_label
 
-__all__ = ["Engine", "Entry", "stall_times", "GRACE_S", "HELPER_GRACE_S"]
+__all__ = ["Engine", "Entry", "GRACE_S", "HELPER_GRACE_S"]
 
 NOTICE_TAG = 11
 GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print how its ops failed
@@ -92,45 +92,21 @@ GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print h
 HELPER_GRACE_S = 5.0
 
 
-def stall_times(env=None):
-    """``(warn after, shut down after)`` in seconds from Horovod's variables; ``(None, 0)`` when disabled (pure)."""
-    env = os.environ if env is None else env
-    if env.get("HOROVOD_STALL_CHECK_DISABLE", "").strip() not in ("", "0"):
-        return None, 0.0
-    warn = _seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
-    shutdown = _seconds(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
-    if shutdown and shutdown < warn:
-        sys.stderr.write("[ringtrain.torch] WARNING HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
-                         "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.\n")
-        shutdown = 0.0
-    return warn, shutdown
-
-
-def _seconds(env, name, default):
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise UsageError(f"{name}={text!r}: must be a number of seconds >= 0; unset it for the default",
-                         everywhere=True)
-    return value
-
-
 class Engine:
     """The channels of the process sets this rank is in, the notices between ranks, and the watch.
 
     Collective over ``comm`` (the runtime's communicator): every rank builds one in ``init``. ``sets``
-    (:class:`~ringtrain.torch.process_sets.ProcessSets`) owns the communicators the channels run over.
+    (:class:`~ringtrain.engine.process_sets.ProcessSets`) owns the communicators the channels run over;
+    ``settings`` (:class:`~ringtrain.engine.settings.Settings`) is what the environment set, read once.
     """
 
-    def __init__(self, comm, sets, env=None):
+    def __init__(self, comm, sets, settings):
         self.user_comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.stall_times = stall_times(env)
+        self.settings = settings
+        self.stall_times = settings.stall_times
+        for note in settings.notes:
+            sys.stderr.write(f"[ringtrain.engine] WARNING {note}\n")
         self.names = Names()
         self.reports = {}           # rank -> [(process set, key)] it has waited on longest (conflicts)
         self.timeline = None        # a ringtrain Timeline while start_timeline is on
@@ -165,15 +141,15 @@ class Engine:
         (self.channel(set_id) if channel is None else channel).submit(entry)  # (channel() explains a missing one)
         return entry.pending
 
-    def call(self, what, fn, meta=()):
+    def call(self, what, fn, detail=()):
         """Run ``fn(communicator of every rank)`` on every rank, in the same order as every other op of set 0.
 
-        Collective over every rank; returns ``fn``'s result. ``meta`` is what the ranks must agree on.
+        Collective over every rank; returns ``fn``'s result. ``detail`` is what the ranks must agree on.
         """
         from .handles import register, synchronize
 
         key = op_key("call", self.names.next(0, "call"))
-        entry = Entry(key, what, "call", (("kind", "call"), ("what", what), *meta), None, (fn,), Pending())
+        entry = Entry(key, what, "call", Call(what, tuple(detail)), None, (fn,), Pending())
         return synchronize(register(self.submit(0, entry)))
 
     def refuse(self, kind, problem, set_id=0, name=None):
@@ -181,9 +157,8 @@ class Engine:
 
         The caller then raises ``ValueError(problem)`` on this rank; nothing waits for this op here.
         """
-        name = self.names.next(set_id, kind) if name is None else name
-        entry = Entry(op_key(kind, name), f"{kind} {name!r}", kind, (("kind", kind), ("refused", problem)), None,
-                      (), Pending())
+        name = self.names.next(set_id, kind, thread_label(threading.current_thread())) if name is None else name
+        entry = Entry(op_key(kind, name), f"{kind} {name!r}", kind, Refused(kind, problem), None, (), Pending())
         try:
             self.submit(set_id, entry)
         except (HorovodInternalError, ValueError):
@@ -218,7 +193,7 @@ class Engine:
         if self.broken is None:
             self._tell_everyone(f"rank {self.rank} has been shut down (ops after a rank's shutdown fail, "
                                 "as in Horovod)", failure=False)
-            self._break("ringtrain.torch has been shut down on this rank; call hvd.init() again", failure=False)
+            self._break("ringtrain's engine has been shut down on this rank; call hvd.init() again", failure=False)
         for set_id in sorted(self.channels):
             self.channels[set_id].finish_close(timeout=30.0)
         for channel in self.channels.values():
@@ -306,7 +281,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a watch that dies silently would hide every later stall
                 if self._stop.is_set():
                     return
-                sys.stderr.write(f"[ringtrain.torch] rank {self.rank}: the watch thread failed: {describe(exc)}\n")
+                sys.stderr.write(f"[ringtrain.engine] rank {self.rank}: the watch thread failed: {describe(exc)}\n")
                 return
 
     def _report(self, now):

@@ -1,16 +1,16 @@
 """One process set's ops on this rank: announced to every member, run as every member's verdict says.
 
-The engine (:mod:`ringtrain.torch.engine`) keeps a :class:`Channel` for every
+The engine (:mod:`ringtrain.engine.engine`) keeps a :class:`Channel` for every
 process set this rank belongs to. A channel talks only to the set's
 members, over two communicators of its own: ``control`` for the messages
 below, ``data`` for the collectives themselves. So a set's ops complete as
 soon as its members have submitted them, whatever ranks outside the set
 are doing.
 
-The protocol (:mod:`ringtrain.torch.negotiation` holds the rules; one tag,
+The protocol (:mod:`ringtrain.engine.negotiation` holds the rules; one tag,
 and MPI keeps each sender's messages in order)::
 
-    every member -> every member   ("a", rank, [(key, meta id, meta or None, info, data), ...])
+    every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]))
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
                                                                                  (FAIL: (mismatch, why))
     leader -> every member         ("c", reason)                                closed: fail the rest
@@ -23,14 +23,14 @@ broadcast or barrier whose data came with the announcements: one message
 each way, no collective), or is a collective, which runs in the order the
 leader (the set's lowest rank) sends: ranks may submit ops in different
 orders, and one thread running blocking collectives must run them in the
-same order as its peers. A member sends each distinct ``meta`` once and
+same order as its peers. A member sends each distinct op record once and
 then only its id, so an op the ranks have run before costs a few dozen
 bytes per member (Horovod's response cache does the same with a bit).
 
 Who runs it. Whoever holds the channel's driver lock: the caller's own
 thread inside ``synchronize`` (no hand-off, the common case), or else the
 channel's thread, which takes over ops nobody has come for within one
-cycle (``HOROVOD_CYCLE_TIME``, 1 ms) and sleeps, costing nothing, while
+cycle (``HOROVOD_CYCLE_TIME``, 1 ms; :mod:`ringtrain.engine.settings`) and sleeps, costing nothing, while
 the set is idle. Only the driver calls MPI on ``control`` and ``data``.
 """
 
@@ -39,19 +39,18 @@ import os
 import sys
 import threading
 import time
-
-import torch
+import typing
 
 from . import kernels
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError
 from .handles import Pending
-from .negotiation import FAIL, JOIN, JOINED, LOCAL, Board, conflicts, join_blocks, stall_report, user_name, verdict
+from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, stall_report,
+                          user_name, verdict)
 
-__all__ = ["Entry", "Channel", "Decision", "CYCLE_S", "TICK_S", "PROBE_S"]
+__all__ = ["Entry", "Channel", "Decision", "TICK_S", "PROBE_S"]
 
 TAG = 7
 RUN = "run"
-CYCLE_S = float(os.environ.get("HOROVOD_CYCLE_TIME", 1.0)) / 1000.0
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 WATCH_S = 0.1       # the thread keeps watching this long after the set was last busy, then sleeps
@@ -59,23 +58,22 @@ WATCH_MAX_S = 0.008  # the longest it waits between looks while watching
 SPIN_S = 50e-6      # how long a driver waiting for a message spins before it yields the core
 YIELD_S = 0.005     # how long it yields before it starts to sleep
 SLOW_S = 0.01       # the longest sleep between polls, once a wait has lasted a while
-FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
 INFO_KINDS = ("allgather", "alltoall")  # the kinds whose kernels need every member's info
 
 
 class Entry:
-    """One submitted op: its key, what is announced (``meta``, ``info``) and what the kernel needs.
+    """One submitted op: its key, what is announced (its ``record``, ``info``) and what the kernel needs.
 
     ``where`` is what errors name it by (a string, or ``(name, process set)``
     made into one only when needed); ``local`` marks an op small enough for
     its data to go with its announcement.
     """
 
-    __slots__ = ("key", "where", "kind", "meta", "info", "args", "pending", "submitted", "local")
+    __slots__ = ("key", "where", "kind", "record", "info", "args", "pending", "submitted", "local")
 
-    def __init__(self, key, where, kind, meta, info, args, pending, local=False):
+    def __init__(self, key, where, kind, record, info, args, pending, local=False):
         self.key, self.where, self.kind = key, where, kind
-        self.meta, self.info, self.args, self.pending = meta, info, args, pending
+        self.record, self.info, self.args, self.pending = record, info, args, pending
         self.submitted = time.monotonic()
         self.local = local
 
@@ -88,15 +86,19 @@ class Entry:
         return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
 
 
-class Decision(collections.namedtuple("Decision", "name meta infos")):
-    """An ordered op as its kernel sees it: the agreed ``meta`` and every member's ``info``, in member order."""
+class Decision(typing.NamedTuple):
+    """An ordered op as its kernel sees it: the agreed record and every member's ``info``, in member order."""
+
+    name: str
+    record: object
+    infos: list
 
 
 class Channel:
     """One process set's queue, names in flight, board of announcements and driver.
 
     Args:
-        engine: the :class:`~ringtrain.torch.engine.Engine` (its rank, stall settings, reports, timeline).
+        engine: the :class:`~ringtrain.engine.engine.Engine` (its rank, stall settings, reports, timeline).
         set_id: the process set's id.
         ranks: the set's ranks (of the runtime's communicator), in order.
         data, control: communicators over ``ranks``, in that order.
@@ -128,9 +130,9 @@ class Channel:
         self._to_order = []                    # leader: collectives heard complete, to order in one batch
         self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
-        self._meta_ids = {}                    # id(meta) -> (meta, the id this rank announces it under)
-        self._next_meta_id = 0
-        self._metas = {}                       # rank -> {id: meta}
+        self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
+        self._next_record_id = 0
+        self._records = {}                     # rank -> {id: record}
         self._closing = None
         self._closed = None
         self._leader_closed = None
@@ -143,7 +145,9 @@ class Channel:
         self._inspected = 0.0
         self._last_warning = 0.0
         self._thread = None
-        self._interval = CYCLE_S
+        self._cycle_s = engine.settings.cycle_s
+        self._fusion_bytes = engine.settings.fusion_bytes
+        self._interval = self._cycle_s
 
     # The caller's side.
 
@@ -257,7 +261,7 @@ class Channel:
             elif now - since > SPIN_S:
                 if deadline is not None and now > deadline:
                     return
-                _pause(now - since)
+                _pause(now - since, self._cycle_s)
 
     def _has_work(self):
         return bool(self._queue or self._mine or self._ordered or (self._closing and not self._closed))
@@ -266,7 +270,7 @@ class Channel:
         while self._wait_for_work():
             if not self._take_driver(blocking=False):
                 continue
-            self._interval = CYCLE_S
+            self._interval = self._cycle_s
             try:
                 self._drive_until(lambda: not self._has_work() or self._stopped)
             finally:
@@ -279,7 +283,7 @@ class Channel:
                 now = time.monotonic()
                 if self._has_work() and not self._driving:
                     oldest = min((e.submitted for e in self._queue), default=0.0)
-                    ready_at = max(oldest, self._last_drive) + CYCLE_S
+                    ready_at = max(oldest, self._last_drive) + self._cycle_s
                     if now >= ready_at or self._closing:
                         return True
                     self._cond.wait(ready_at - now)
@@ -307,7 +311,7 @@ class Channel:
         if self._others:
             moved |= self._receive(now, done)
         if self._answers:
-            self._send_all(("a", self.rank, self._answers))
+            self._send_all(("a", (self.rank, self._answers)))
             self._answers = []
         if self._to_order:
             self._flush_orders()
@@ -352,41 +356,42 @@ class Channel:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
                                                              "while ranks are joined"))
                 continue
-            if self._board.add(self.rank, e.key, (e.meta, e.info, e.args[0] if e.local else None), now):
+            if self._board.add(self.rank, e.key, Announcement(e.record, e.info, e.args[0] if e.local else None),
+                               now):
                 complete.append(e.key)
             if e.key == JOIN and self.is_leader:
                 self._join_order.append(self.rank)
             if not self._others:
                 continue
-            meta_id, new = self._meta_id(e.meta)
-            items.append((e.key, meta_id, e.meta if new else None, e.info, data))
+            record_id, new = self._record_id(e.record)
+            items.append((e.key, record_id, e.record if new else None, e.info, data))
             if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
                 self._answer_all(now, complete)
         if items:
-            self._send_all(("a", self.rank, items))
+            self._send_all(("a", (self.rank, items)))
         if JOIN in self._board:
             self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
 
-    def _meta_id(self, meta):
-        """``(id, new)``: the id ``meta`` is announced under, and whether it must go with it this once."""
-        found = self._meta_ids.get(id(meta))  # metas are kept one per kind of op (ops_async): ids are cheap keys
-        if found is not None and found[0] is meta:
-            return found[1], False
-        if len(self._meta_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its meta,
-            self._meta_ids.clear()       # so the members' tables of ids stay as small)
-            self._next_meta_id = 0
-        self._next_meta_id += 1
-        self._meta_ids[id(meta)] = (meta, self._next_meta_id)  # the meta kept alive: its id is not reused
-        return self._next_meta_id, True
+    def _record_id(self, record):
+        """``(id, new)``: the id ``record`` is announced under, and whether it must go with it this once."""
+        kept, record_id = self._record_ids.get(id(record), (None, None))  # one record per distinct op (ops): cheap keys
+        if kept is record:
+            return record_id, False
+        if len(self._record_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its record,
+            self._record_ids.clear()       # so the members' tables of ids stay as small)
+            self._next_record_id = 0
+        self._next_record_id += 1
+        self._record_ids[id(record)] = (record, self._next_record_id)  # kept alive: its id is not reused
+        return self._next_record_id, True
 
     def _data_of(self, entry):
         """A small op's bytes, sent with its announcement (an allreduce's input; a broadcast's, from its root)."""
         if not entry.local or not self._others:
             return None
-        if entry.kind == "broadcast" and self.ranks[dict(entry.meta)["root"]] != self.rank:
+        if entry.kind == "broadcast" and self.ranks[entry.record.root] != self.rank:
             return None
         return kernels.raw_bytes(entry.args[0])
 
@@ -399,29 +404,31 @@ class Channel:
             if message is None:
                 return moved
             moved = True
-            kind, *body = message.recv()
+            kind, body = message.recv()
             if kind == "a":
-                self._heard(body[0], body[1], now)
+                self._heard(*body, now)
                 if done is not None and done():
                     return True
             elif kind == "d":
                 self._batch += 1
-                self._ordered.extend((self._batch, *order) for order in body[0])
+                self._ordered.extend((self._batch, *order) for order in body)
             elif kind == "k":  # a member's answer to the leader's word that the set is closed
-                self._acks.add(body[0])
+                self._acks.add(body)
             else:  # the leader has closed the set: so must this member
-                self._leader_closed = body[0]
-                self.close(body[0])
+                self._leader_closed = body
+                self.close(body)
 
     def _heard(self, rank, items, now):
-        metas = self._metas.setdefault(rank, {})
+        records = self._records.setdefault(rank, {})
         complete = []
-        for key, meta_id, meta, info, data in items:
-            if meta is not None:
-                metas[meta_id] = meta
+        for key, record_id, record, info, data in items:
+            if record is not None:
+                records[record_id] = record
+            else:
+                record = records[record_id]
             if key in self._failed_joined:
                 continue  # failed here already: a rank has joined, and only allreduces run
-            if self._board.add(rank, key, (metas[meta_id], info, data), now):
+            if self._board.add(rank, key, Announcement(record, info, data), now):
                 complete.append(key)
             if key == JOIN:
                 if self.is_leader:
@@ -429,7 +436,7 @@ class Channel:
                 self._check_joined(self._board.keys(), now)
                 continue
             if JOIN in self._board:
-                if JOIN in self._mine and not self._board.has(key, self.rank) and metas[meta_id][0][1] == "allreduce":
+                if JOIN in self._mine and not self._board.has(key, self.rank) and record.kind == "allreduce":
                     self._answer(key, now, complete)
                 self._check_joined([key], now)
         for key in complete:
@@ -439,7 +446,7 @@ class Channel:
     def _answer_all(self, now, complete):
         for key in self._board.keys():
             announced = self._board.partial(key)
-            kind = next((a[0][0][1] for a in announced.values()), None)
+            kind = next((a.record.kind for a in announced.values()), None)
             if key != JOIN and not self._board.has(key, self.rank) and kind == "allreduce":
                 self._answer(key, now, complete)
 
@@ -463,9 +470,9 @@ class Channel:
 
     def _answer(self, key, now, complete):
         """This rank has joined: it answers an op it did not submit with JOINED (zeros, for an allreduce)."""
-        meta_id, new = self._meta_id(JOINED)
-        self._answers.append((key, meta_id, JOINED if new else None, None, None))
-        if self._board.add(self.rank, key, (JOINED, None, None), now):
+        record_id, new = self._record_id(JOINED)
+        self._answers.append((key, record_id, JOINED if new else None, None, None))
+        if self._board.add(self.rank, key, Announcement(JOINED), now):
             complete.append(key)
 
     def _heard_all(self, key, now):
@@ -495,15 +502,15 @@ class Channel:
         """A small op whose data every rank has: the result is computed here, as on every member."""
         entry = self._mine.pop(key, None)
         if entry is not None:
-            data = [announced[r][2] for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
+            data = [announced[r].data for r in self.ranks]  # (a rank that joined announced JOINED, with no data)
             out = entry.args[1] if len(entry.args) > 1 else None
             timeline = self.engine.timeline
-            try:  # (kernels write a parameter's data under no_grad where they use torch; NumPy needs none)
+            try:
                 if timeline is None:
-                    result = kernels.run_local(v.meta, data, out)
+                    result = kernels.run_local(v.record, data, out)
                 else:
                     with timeline.span(entry.label + " (local)", tid=1):
-                        result = kernels.run_local(v.meta, data, out)
+                        result = kernels.run_local(v.record, data, out)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
                 self._complete(entry, error=_as_runtime_error(exc))
             else:
@@ -547,8 +554,8 @@ class Channel:
                 continue
             group = [self._decision(key)]
             decision, entry = group[0]
-            if entry.kind in kernels.FUSABLE and not _grouped(decision.meta):
-                group += self._fusable(batch, entry.kind, decision.meta)
+            if entry.kind in kernels.FUSABLE and type(decision.record) is not Grouped:
+                group += self._fusable(batch, decision.record)
             self._run(group)
             for d, _ in group:
                 self._done(d.name, now)
@@ -557,51 +564,47 @@ class Channel:
     def _decision(self, key):
         """``(Decision, entry)`` for an ordered op: this rank's entry, or zeros if it answered JOINED."""
         announced = self._board.announcements(key)
-        mine = announced[self.rank][0]
-        meta = next(a[0] for a in announced.values() if a[0] != JOINED)
-        infos = [announced[r][1] for r in self.ranks]
+        record = next(a.record for a in announced.values() if a.record != JOINED)
+        infos = [announced[r].info for r in self.ranks]
         entry = self._mine.pop(key, None)
-        if mine == JOINED:
-            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", meta, None,
-                          kernels.stand_in_args(meta), Pending())
-        return Decision(key, meta, infos), entry
+        if announced[self.rank].record == JOINED:
+            entry = Entry(key, f"allreduce {user_name(key)!r} (zeros for a joined rank)", "allreduce", record, None,
+                          kernels.stand_in_args(record), Pending())
+        return Decision(key, record, infos), entry
 
-    def _fusable(self, batch, kind, meta):
+    def _fusable(self, batch, record):
         """The ordered ops right after this one that fuse with it (the same on every member)."""
-        key, total, group = kernels.fuse_key(meta), kernels.nbytes(meta), []
+        key, total, group = record.fuse_key(), record.nbytes, []
         while self._ordered:
             b, k, action, _ = self._ordered[0]
             if b != batch or action != RUN or not self._board.complete(k):
                 break
-            other = next(a[0] for a in self._board.announcements(k).values() if a[0] != JOINED)
-            if (other[0][1] != kind or _grouped(other) or kernels.fuse_key(other) != key
-                    or total + kernels.nbytes(other) > FUSION_BYTES):
+            other = next(a.record for a in self._board.announcements(k).values() if a.record != JOINED)
+            if (type(other) is not type(record) or other.fuse_key() != key
+                    or total + other.nbytes > self._fusion_bytes):
                 break
             self._ordered.popleft()
-            total += kernels.nbytes(other)
+            total += other.nbytes
             group.append(self._decision(k))
         return group
 
     def _run(self, group):
         decision, entry = group[0]
-        if _grouped(decision.meta):
+        if type(decision.record) is Grouped:
             results = kernels.GroupResults(len(entry.args), lambda values, error: self._complete(entry, values, error))
-            parts = [(Decision(f"{entry.key}#{i}", meta, infos),
-                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, meta, None, args, results.part(i)))
-                     for i, (meta, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
+            parts = [(Decision(f"{entry.key}#{i}", record, infos),
+                      Entry(f"{entry.key}#{i}", entry.label, entry.kind, record, None, args, results.part(i)))
+                     for i, (record, args, infos) in enumerate(kernels.split_parts(decision, entry.args))]
             self._run_parts(parts, entry.kind)
             return
         timeline = self.engine.timeline
         try:
-            # Whatever thread runs it, an op writes its outputs as data, not as autograd ops: an in-place op on
-            # a parameter is allowed (under the caller's no_grad, which this thread may not share).
-            with torch.no_grad():
-                if timeline is None:
+            if timeline is None:
+                results = kernels.run(entry.kind, self.data, group)
+            else:
+                name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
+                with timeline.span(name, tid=1):
                     results = kernels.run(entry.kind, self.data, group)
-                else:
-                    name = entry.label + (f" (+{len(group) - 1} fused)" if len(group) > 1 else "")
-                    with timeline.span(name, tid=1):
-                        results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             for _, e in group:
                 self._complete(e, error=_as_runtime_error(exc))
@@ -616,10 +619,11 @@ class Channel:
             group = [parts[i]]
             i += 1
             if kind in kernels.FUSABLE:
-                key, total = kernels.fuse_key(group[0][0].meta), kernels.nbytes(group[0][0].meta)
-                while (i < len(parts) and kernels.fuse_key(parts[i][0].meta) == key
-                       and total + kernels.nbytes(parts[i][0].meta) <= FUSION_BYTES):
-                    total += kernels.nbytes(parts[i][0].meta)
+                first = group[0][0].record
+                key, total = first.fuse_key(), first.nbytes
+                while (i < len(parts) and parts[i][0].record.fuse_key() == key
+                       and total + parts[i][0].record.nbytes <= self._fusion_bytes):
+                    total += parts[i][0].record.nbytes
                     group.append(parts[i])
                     i += 1
             self._run(group)
@@ -686,16 +690,12 @@ class Channel:
         if message is None:
             return
         self._last_warning = now
-        sys.stderr.write(f"[ringtrain.torch] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
+        sys.stderr.write(f"[ringtrain.engine] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
         sys.stderr.flush()
         if shut_down:
             late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
             self.engine.stall_shutdown(f"process set {self.set_id} stalled: rank(s) {late} kept an op waiting "
                                        f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
-
-
-def _grouped(meta):
-    return len(meta) > 1 and meta[1][0] == "parts"
 
 
 def _label_of(key):
@@ -706,7 +706,7 @@ def _as_runtime_error(exc):
     return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
 
 
-def _pause(waited):
+def _pause(waited, cycle_s):
     """Between polls for a message: spin, then yield the core, then sleep longer the longer the wait has lasted.
 
     A peer that answers within microseconds is caught spinning; yielding
@@ -717,6 +717,6 @@ def _pause(waited):
     if waited < YIELD_S:
         os.sched_yield()
     elif waited < 0.1:
-        time.sleep(CYCLE_S)
+        time.sleep(cycle_s)
     else:
         time.sleep(SLOW_S)

@@ -1,10 +1,11 @@
 """Matching ops across the ranks of a process set by name (pure: no MPI, no threads).
 
 Every member of a process set tells every other member what it submits:
-an announcement ``(meta, info, data)`` under the op's key, where ``meta``
-is what every member must agree on (kind, dtype, shape, op, root, ...) as
-``(field, value)`` pairs, ``info`` what may differ (an allgather's rows,
-an alltoall's splits) and ``data`` a small op's bytes. Every member keeps
+an :class:`Announcement` under the op's key, whose ``record`` is what
+every member must agree on (a frozen record per kind: :class:`Allreduce`'s
+dtype, shape, op and factors, :class:`Broadcast`'s root, ...), ``info``
+what may differ (an allgather's rows, an alltoall's splits) and ``data`` a
+small op's bytes. Every member keeps
 the announcements on a :class:`Board`; once every member has announced an
 op, :func:`verdict` says, the same on every rank, what becomes of it:
 
@@ -19,21 +20,152 @@ op, :func:`verdict` says, the same on every rank, what becomes of it:
 
 Names are per kind, as in Horovod (an allreduce and a broadcast may share
 one): the key of an op is ``"<kind>.<name>"``; unnamed ops are named
-``noname.<n>`` by a counter per process set and kind (:class:`Names`), so
-ranks making the same unnamed calls in the same order match.
+``noname.<n>`` by a counter per process set, kind and thread
+(:class:`Names`), so ranks making the same unnamed calls in the same order
+on the same thread match, and two threads' unnamed ops never pair.
 """
 
 import dataclasses
 import math
+import threading
+import typing
 
-__all__ = ["Verdict", "Board", "Names", "verdict", "first_difference", "same_value", "refusal", "op_key",
-           "user_name", "join_blocks", "conflicts", "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
+__all__ = ["Allreduce", "Reducescatter", "Allgather", "Alltoall", "Broadcast", "Barrier", "Join", "Joined",
+           "Refused", "Grouped", "Call", "Announcement", "Verdict", "Board", "Names", "thread_label", "verdict",
+           "first_difference", "same_value", "op_key", "user_name", "join_blocks", "conflicts", "stall_report",
+           "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
+
+FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
+
+
+# The op records: what every member must agree on, one frozen record per kind (Horovod's Request). Records
+# compare by value; a rank sends each distinct one once, then only its id (the channel).
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reduction:
+    dtype: str
+    shape: tuple
+    op: str
+    prescale: float
+    postscale: float
+    device: str
+
+    @property
+    def nbytes(self):
+        """The size in bytes of the array it describes."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+    def fuse_key(self):
+        """What reductions fused into one buffer must share: everything but the shape.
+
+        Factors are compared by ``repr``, so NaN factors fuse alike on every rank.
+        """
+        return (self.kind, self.dtype, self.op, repr(self.prescale), repr(self.postscale), self.device)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allreduce(_Reduction):
+    kind: typing.ClassVar[str] = "allreduce"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reducescatter(_Reduction):
+    kind: typing.ClassVar[str] = "reducescatter"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allgather:
+    dtype: str
+    trailing_shape: tuple
+    device: str
+    kind: typing.ClassVar[str] = "allgather"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Alltoall:
+    dtype: str
+    trailing_shape: tuple
+    device: str
+    kind: typing.ClassVar[str] = "alltoall"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Broadcast:
+    dtype: str
+    shape: tuple
+    root: int           # a rank of the process set's communicator
+    device: str
+    kind: typing.ClassVar[str] = "broadcast"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Barrier:
+    kind: typing.ClassVar[str] = "barrier"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Join:
+    kind: typing.ClassVar[str] = "join"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Joined:
+    """A joined rank's answer to an op it did not submit (it adds zeros to an allreduce)."""
+
+    kind: typing.ClassVar[str] = "joined"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refused:
+    """A rank refused an op of ``kind`` on its own arguments: every member fails it with ``problem``."""
+
+    kind: str
+    problem: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grouped:
+    """A grouped op: one record per array, run as one op (compared by count, then part by part)."""
+
+    kind: str
+    parts: tuple
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """An engine change every member runs in the global set's order: a process set added or removed, the
+    timeline stopped. ``detail`` is what the ranks must agree on (the set's ranks, its id)."""
+
+    what: str
+    detail: tuple = ()
+    kind: typing.ClassVar[str] = "call"
+
+
+def _itemsize(dtype):
+    return 2 if dtype == "bfloat16" else _ITEMSIZES.setdefault(dtype, _numpy_itemsize(dtype))
+
+
+def _numpy_itemsize(dtype):
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+_ITEMSIZES = {}
+
+
+class Announcement(typing.NamedTuple):
+    """What a member announced for an op: its record, what may differ (``info``) and a small op's ``data``."""
+
+    record: object
+    info: object = None
+    data: object = None
+
 
 # The key join() announces. A rank that has joined answers every allreduce it
 # did not submit with JOINED (it adds zeros) until every rank has joined.
 JOIN = "join.__ringtrain__"
-JOINED = (("kind", "joined"),)
-FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
+JOINED = Joined()
 
 
 def op_key(kind, name):
@@ -47,15 +179,39 @@ def user_name(key):
 
 
 class Names:
-    """Names for unnamed ops: ``noname.<n>``, counted per process set and kind."""
+    """Names for unnamed ops, counted per process set, kind and submitting thread.
+
+    Unnamed ops match by the order in which they are submitted, which
+    only one thread can fix: two threads that submit in one order on one
+    rank and in another on the next would pair one thread's op with the
+    other's, silently, if the shapes agree. So each thread's unnamed ops
+    are named apart: ``noname.<n>`` for the main thread (Horovod's names),
+    ``noname.<thread name>.<n>`` for another; threads the interpreter did
+    not start (a framework's autograd workers) share ``noname.foreign.<n>``.
+    A thread's ops then pair only with those of the thread of the same name
+    on the other ranks (threads started in the same order get the same
+    names); one that has no counterpart is reported by the stall inspector
+    and fails at ringtrain's bound, like any op a rank never submits.
+    """
 
     def __init__(self):
         self._counts = {}
 
-    def next(self, process_set, kind):
-        n = self._counts.get((process_set, kind), 0)
-        self._counts[(process_set, kind)] = n + 1
-        return f"noname.{n}"
+    def next(self, process_set, kind, thread=None):
+        """The next name for an unnamed op; ``thread`` is :func:`thread_label`'s (None: the main thread's)."""
+        key = (process_set, kind, thread)
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        return f"noname.{n}" if thread is None else f"noname.{thread}.{n}"
+
+
+def thread_label(thread):
+    """What names the unnamed ops of ``thread`` apart (None for the main thread) (pure)."""
+    if thread is threading.main_thread():
+        return None
+    if isinstance(thread, threading._DummyThread):  # started outside the interpreter: no name of its own
+        return "foreign"
+    return thread.name
 
 
 def same_value(a, b):
@@ -67,38 +223,37 @@ def same_value(a, b):
     return a == b
 
 
-def first_difference(metas):
-    """``"<field>: <a> and <b>"`` for the first field on which ``metas`` disagree, or None (pure).
+def first_difference(records):
+    """``"<field>: <a> and <b>"`` for the first field on which ``records`` disagree, or None (pure).
 
-    A grouped op's ``parts`` are compared by count (``grouped length``), then tensor by tensor.
+    A grouped op's parts are compared by count (``grouped length``), then array by array.
     """
-    first = metas[0]
-    for other in metas[1:]:
-        if not same_value(other, first):
+    first = records[0]
+    for other in records[1:]:
+        if not _same_record(other, first):
             return _difference(first, other)
     return None
 
 
+def _same_record(a, b):
+    return a == b or (type(a) is type(b) and all(same_value(getattr(a, f.name), getattr(b, f.name))
+                                                 for f in dataclasses.fields(a)))
+
+
 def _difference(first, other):
-    mine = dict(first)
-    for field, value in other:
-        if field not in mine or same_value(mine[field], value):
-            continue
-        if field == "parts":
-            if len(mine[field]) != len(value):
-                return f"grouped length: {len(mine[field])} and {len(value)}"
-            i, a, b = next((i, a, b) for i, (a, b) in enumerate(zip(mine[field], value)) if not same_value(a, b))
-            return f"tensor {i} {_difference(a, b)}"
-        return f"{field}: {mine[field]} and {value}"
-    return f"fields: {[f for f, _ in first]} and {[f for f, _ in other]}"
-
-
-def refusal(meta):
-    """The message of a rank that refused an op on its own arguments, or None (pure).
-
-    A refusal is announced as ``(("kind", kind), ("refused", message))``.
-    """
-    return meta[1][1] if len(meta) == 2 and meta[1][0] == "refused" else None
+    if type(first) is not type(other):
+        return f"kind: {first.kind} and {other.kind}"
+    if isinstance(first, Grouped) and len(first.parts) != len(other.parts):
+        return f"grouped length: {len(first.parts)} and {len(other.parts)}"
+    if isinstance(first, Grouped):
+        i, a, b = next((i, a, b) for i, (a, b) in enumerate(zip(first.parts, other.parts))
+                       if not _same_record(a, b))
+        return f"tensor {i} {_difference(a, b)}"
+    for f in dataclasses.fields(first):
+        mine, theirs = getattr(first, f.name), getattr(other, f.name)
+        if not same_value(mine, theirs):
+            return f"{f.name.replace('_', ' ')}: {mine} and {theirs}"
+    return None
 
 
 @dataclasses.dataclass(slots=True)
@@ -106,66 +261,65 @@ class Verdict:
     """What every member does with an op every member has announced (the same on every rank)."""
 
     action: str               # FAIL, LOCAL or ORDERED
-    meta: tuple = None        # the agreed fields (the first present member's)
+    record: object = None     # the agreed record (the first present member's)
     error: str = None         # FAIL: why, the same text on every rank
     mismatch: bool = False    # FAIL because ranks disagreed (a CollectiveMismatchError)
     joined: tuple = ()        # ranks that answered JOINED: they add zeros
 
 
 def verdict(key, members, by_rank):
-    """The verdict on op ``key`` from every member's announcement ``(meta, info, data)``, in member order (pure).
+    """The verdict on op ``key`` from every member's :class:`Announcement`, in member order (pure).
 
     Args:
         key: the op's key.
         members: the set's ranks, in order.
         by_rank: rank -> announcement, for every member.
     """
-    meta = by_rank[members[0]][0]
-    if meta[-1][0] != "refused" and meta != JOINED and _agree(meta, members, by_rank):
+    record = by_rank[members[0]].record
+    if type(record) is not Refused and record is not JOINED and _agree(record, members, by_rank):
         # The common case: every member agrees, and none has joined or refused.
-        return Verdict(_action(meta[0][1], meta, members, members, by_rank), meta)
+        return Verdict(_action(record, members, members, by_rank), record)
     label = f"{key.partition('.')[0]} {user_name(key)!r}"
     for rank in members:
-        refused = refusal(by_rank[rank][0])
-        if refused is not None:
-            return Verdict(FAIL, error=f"{label}: rank {rank} refused it: {refused}", mismatch=True)
-    joined = tuple(r for r in members if by_rank[r][0] == JOINED)
+        refused = by_rank[rank].record
+        if type(refused) is Refused:
+            return Verdict(FAIL, error=f"{label}: rank {rank} refused it: {refused.problem}", mismatch=True)
+    joined = tuple(r for r in members if by_rank[r].record == JOINED)
     present = [r for r in members if r not in joined]
-    metas = [by_rank[r][0] for r in present]
-    meta = metas[0]
-    kind = meta[0][1]
-    if joined and kind != "allreduce":
+    records = [by_rank[r].record for r in present]
+    record = records[0]
+    if joined and record.kind != "allreduce":
         return Verdict(FAIL, error=f"{label}: rank(s) {list(joined)} have joined; only allreduce runs while ranks "
                                    "are joined")
-    if not all(m == meta for m in metas):
-        difference = first_difference(metas)
+    if not all(m == record for m in records):
+        difference = first_difference(records)
         if difference is not None:
             return Verdict(FAIL, error=f"{label}: ranks submitted different {difference}; every rank must submit "
                                        "the same op under one name", mismatch=True)
-    return Verdict(_action(kind, meta, members, present, by_rank), meta, joined=joined)
+    return Verdict(_action(record, members, present, by_rank), record, joined=joined)
 
 
-def _agree(meta, members, by_rank):
+def _agree(record, members, by_rank):
     for r in members:  # (a loop, not all() over a generator: this runs for every op)
-        if by_rank[r][0] != meta:
+        if by_rank[r].record != record:
             return False
     return True
 
 
-def _action(kind, meta, members, present, by_rank):
+def _action(record, members, present, by_rank):
     """LOCAL when the data every rank needs came with the announcements, else ORDERED (pure)."""
+    kind = record.kind
     if kind == "barrier":
         return LOCAL
-    if kind == "allreduce":
+    if kind == "allreduce" and type(record) is Allreduce:
         # A rank sends its data only for a small CPU op, so data from every rank means one.
         for r in present:
-            if by_rank[r][2] is None:
+            if by_rank[r].data is None:
                 return ORDERED
         return LOCAL
     if kind == "broadcast":
-        return LOCAL if by_rank[members[dict(meta)["root"]]][2] is not None else ORDERED
+        return LOCAL if by_rank[members[record.root]].data is not None else ORDERED
     return ORDERED
-
 
 
 class _Entry:
@@ -263,10 +417,10 @@ def join_blocks(key, joined, announced):
     """
     if not joined:
         return None
-    meta = next((a[0] for a in announced.values() if a[0] != JOINED), None)
-    if meta is None or meta[0][1] == "allreduce":
+    record = next((a.record for a in announced.values() if a.record != JOINED), None)
+    if record is None or record.kind == "allreduce":
         return None
-    if all(j in announced and announced[j][0] != JOINED for j in joined):
+    if all(j in announced and announced[j].record != JOINED for j in joined):
         return None
     return sorted(joined)
 

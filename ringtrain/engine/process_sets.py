@@ -6,7 +6,7 @@ rank (collective, in the same order everywhere) and get ids 1, 2, ...
 
 :class:`ProcessSets` is the one place that owns a set's communicators: the
 engine's two (``data`` for the collectives, ``control`` for matching them;
-:class:`~ringtrain.torch.channel.Channel`) and, made on first use, the one
+:class:`~ringtrain.engine.channel.Channel`) and, made on first use, the one
 Horovod's helpers run over on the caller's thread (``broadcast_parameters``,
 ``DistributedOptimizer``; :func:`communicator_of`). Two threads must never
 run collectives on one communicator, hence the separate ones. They are
@@ -133,7 +133,7 @@ class ProcessSets:
             self.sets[set_id] = ps
             return ps
 
-        return self.engine.call("add_process_set", make, meta=(("ranks", ranks),))
+        return self.engine.call("add_process_set", make, detail=ranks)
 
     def _problem(self, ps):
         if ps.process_set_id is not None:
@@ -165,7 +165,7 @@ class ProcessSets:
             ps.process_set_id, ps.registry = None, None
             return True
 
-        return self.engine.call("remove_process_set", drop, meta=(("id", set_id),))
+        return self.engine.call("remove_process_set", drop, detail=(set_id,))
 
     def communicator(self, ps):
         """The communicator Horovod's helpers run over for ``ps`` (made on first use: collective over its ranks)."""

@@ -22,7 +22,7 @@ _lock = threading.Lock()
 class Pending:
     """One submitted op's completion: set once, with a result or an error, by whichever thread ran it.
 
-    ``channel`` is the process set's :class:`~ringtrain.torch.channel.Channel`
+    ``channel`` is the process set's :class:`~ringtrain.engine.channel.Channel`
     (None for an op that needs no driving); ``finish_fn`` runs on the
     caller's thread in :func:`synchronize` (decompression, for example).
     The event a waiting thread sleeps on is made only when one waits: an op

@@ -1,0 +1,110 @@
+"""ringtrain.engine's ops on NumPy arrays, with no framework loaded, against references computed with MPI and NumPy.
+
+Run at 1, 2, 3 and 4 ranks by tests/test_mpi_suite.py. Each rank submits
+its ops in its own random order (ops are matched by name), and every result
+is compared exactly with what MPI's allgather of everyone's data gives,
+reduced with NumPy. Values are small integers, so sums are exact.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringtrain import engine
+from ringtrain.engine.arrays import bf16_to_f32, f32_to_bf16
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+@pytest.fixture(autouse=True)
+def runtime():
+    engine.init()
+    yield
+    engine.barrier()  # every test ends level: a rank that failed early must not leave its peers in an op
+
+
+def _values(shape, seed, dtype=np.float32):
+    return np.random.default_rng(seed).integers(-3, 4, size=shape).astype(dtype)
+
+
+def _everyone(values):
+    return np.stack(COMM.allgather(values))
+
+
+@pytest.mark.mpi
+def test_the_engine_runs_without_any_framework():
+    assert not [m for m in sys.modules if m.split(".")[0] in ("torch", "tensorflow")]
+
+
+@pytest.mark.mpi
+def test_allreduce_in_place_into_out_and_new_in_any_order():
+    rng = np.random.default_rng(RANK)  # each rank its own order
+    shapes = {f"a{i}": (i + 1, 3) for i in range(6)}
+    inputs = {name: _values(shape, RANK * 31 + i) for i, (name, shape) in enumerate(shapes.items())}
+    outs = {name: np.empty_like(a) for name, a in inputs.items()}
+    handles, kept = {}, {name: a.copy() for name, a in inputs.items()}
+    for name in rng.permutation(sorted(shapes)):
+        form = int(name[1:]) % 3  # in place, into out, into a new array
+        out = inputs[name] if form == 0 else outs[name] if form == 1 else None
+        handles[name] = engine.allreduce_async(inputs[name], name=name, op=engine.Sum, out=out)
+    results = {name: engine.synchronize(h) for name, h in handles.items()}
+    for name, result in sorted(results.items()):  # (the reference is collective: one order everywhere)
+        form = int(name[1:]) % 3
+        assert result is (inputs[name] if form == 0 else outs[name] if form == 1 else result)
+        np.testing.assert_array_equal(result, _everyone(kept[name]).sum(0), err_msg=name)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16, np.float64, np.bool_])
+def test_every_op_of_every_dtype_matches_numpy(dtype):
+    values = _values((4, 2), RANK + 1, np.float64)
+    a = (values > 0) if dtype is np.bool_ else values.astype(dtype)
+    everyone = _everyone(a)
+    for op, reduce in [(engine.Sum, "sum"), (engine.Min, "min"), (engine.Max, "max")]:
+        got = engine.synchronize(engine.allreduce_async(a, name=f"r{op}", op=op))
+        want = getattr(everyone, "any" if dtype is np.bool_ and reduce != "min" else
+                       "all" if dtype is np.bool_ else reduce)(0)
+        np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=f"{dtype} {reduce}")
+    gathered = engine.synchronize(engine.allgather_async(a, name="g"))
+    np.testing.assert_array_equal(gathered, np.concatenate(list(everyone)))
+    root = SIZE - 1
+    b = engine.synchronize(engine.broadcast_async(a, root, name="b"))
+    np.testing.assert_array_equal(b, everyone[root])
+
+
+@pytest.mark.mpi
+def test_bfloat16_bits_are_reduced_in_float32_and_rounded_back():
+    values = _values((5,), RANK + 7) / 4  # quarter steps: exact in bfloat16
+    raw = f32_to_bf16(values.astype(np.float32))
+    got = engine.synchronize(engine.allreduce_async(raw, name="bf", op=engine.Sum, dtype="bfloat16"))
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(bf16_to_f32(got), _everyone(values).sum(0).astype(np.float32))
+
+
+@pytest.mark.mpi
+def test_alltoall_and_reducescatter_match_numpy():
+    splits = [(RANK + r) % 3 for r in range(SIZE)]
+    a = np.repeat(np.arange(sum(splits), dtype=np.int64)[:, None] + 100 * RANK, 2, axis=1)
+    out, received = engine.synchronize(engine.alltoall_async(a, splits, name="t"))
+    everyone = COMM.allgather((a, splits))
+    want = np.concatenate([x[sum(s[:RANK]):sum(s[:RANK + 1])] for x, s in everyone])
+    np.testing.assert_array_equal(out, want.reshape(-1, 2))
+    np.testing.assert_array_equal(received, [s[RANK] for _, s in everyone])
+    rows = _values((SIZE * 2 + 1, 3), RANK)
+    mine = engine.synchronize(engine.reducescatter_async(rows, name="rs", op=engine.Sum))
+    total = _everyone(rows).sum(0)
+    base, extra = divmod(total.shape[0], SIZE)
+    start = RANK * base + min(RANK, extra)
+    np.testing.assert_array_equal(mine, total[start:start + base + (RANK < extra)])
+
+
+@pytest.mark.mpi
+def test_ranks_that_disagree_all_get_a_mismatch_error():
+    a = np.zeros(3 + RANK, np.float32)  # a shape of its own on every rank
+    if SIZE == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    with pytest.raises(engine.CollectiveMismatchError, match="shape"):
+        engine.synchronize(engine.allreduce_async(a, name="bad"))
