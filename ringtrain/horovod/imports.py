@@ -42,7 +42,7 @@ RENAMED = {
     "horovod.torch.mpi_ops": "ringtrain.torch",
     # Horovod's compressors live beside the distributed optimizer that uses them.
     "horovod.torch.compression": "ringtrain.torch.optimizer",
-    "horovod.common.exceptions": "ringtrain.torch.errors",
+    "horovod.common.exceptions": "ringtrain.engine.errors",  # torch-free: served with TensorFlow alone too
     "horovod.tensorflow": "ringtrain.tensorflow",
     # Horovod's two Keras packages share one implementation (as its horovod/_keras does).
     "horovod.tensorflow.keras": "ringtrain.keras",

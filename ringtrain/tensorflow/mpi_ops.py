@@ -31,7 +31,7 @@ Collective: every member of the op's process set must run the same ops in
 the same order (see :mod:`ringtrain.tensorflow.collectives`).
 """
 
-import threading
+import itertools
 import weakref
 
 import numpy as np
@@ -75,9 +75,10 @@ def _translated(error):
     return HorovodRefusedError(str(error))
 
 
-def _finish(handle):
+def _finish(submit):
+    """``synchronize(submit())``, the engine's errors as TensorFlow's (submit may refuse, synchronize fail)."""
     try:
-        return engine.synchronize(handle)
+        return engine.synchronize(submit())
     except (engine.HorovodInternalError, ValueError) as exc:
         raise _translated(exc) from None
 
@@ -87,17 +88,16 @@ def _finish(handle):
 _LAST = weakref.WeakKeyDictionary()  # graph -> (the last collective op built in it, its token)
 _RAN = set()  # tokens (graph id, index) of the TF1 graph collectives that have run at least once
 _COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> collectives built in it so far
-_TF1_LOCK = threading.Lock()  # a TF1 session may run independent collectives on several threads at once
+_EXECUTIONS = itertools.count(1)  # tf.function collectives run so far (they run one at a time, in program order)
 
 
 def _graph_function(run, name, token):
-    """The numpy_function body; in a TF1 graph, one collective at a time, matched across ranks by ``name``."""
+    """The numpy_function body: the op layer's ops, named as the face chose (see the module docstring)."""
     def body(*arrays):
         arrays = [np.asarray(a) for a in arrays]
-        if name is None:
-            return [np.asarray(a) for a in run(*arrays)]
-        with _TF1_LOCK, engine.default_name(name):
+        if token is not None:
             _RAN.add(token)
+        with engine.default_name(name if name is not None else f"tf.function.{next(_EXECUTIONS)}"):
             return [np.asarray(a) for a in run(*arrays)]
     return body
 
@@ -159,8 +159,8 @@ def _differentiable(tensors):
 
 def _allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
     def run(*arrays):
-        return _finish(engine.grouped_allreduce_async(arrays, name, op, prescale_factor, postscale_factor,
-                                                      process_set))
+        return _finish(lambda: engine.grouped_allreduce_async(arrays, engine.name_or_default(name), op,
+                                                              prescale_factor, postscale_factor, process_set))
     return _collective(run, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
 
 
@@ -193,7 +193,7 @@ def allreduce_op(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_facto
 
 def _allgather_raw(tensors, name, process_set):
     def run(*arrays):
-        return _finish(engine.grouped_allgather_async(arrays, name, process_set))
+        return _finish(lambda: engine.grouped_allgather_async(arrays, engine.name_or_default(name), process_set))
     return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors])
 
 
@@ -235,7 +235,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 def _broadcast_raw(tensor, root_rank, name, process_set):
     def run(array):
-        return [_finish(engine.broadcast_async(array, root_rank, name, process_set))]
+        return [_finish(lambda: engine.broadcast_async(array, root_rank, engine.name_or_default(name), process_set))]
     return _collective(run, [tensor], [tensor.dtype], [tensor.shape])[0]
 
 
@@ -283,8 +283,10 @@ def _alltoall_raw(tensor, splits, name, process_set):
     given = splits is not None
 
     def run(array, *split_array):
-        out, received = _finish(engine.alltoall_async(array, split_array[0] if given else None, name, process_set))
-        return [out, received.astype(np.int32)]
+        splits_ = split_array[0].astype(np.int32) if given else None
+        out, received = _finish(lambda: engine.alltoall_async(array, splits_, engine.name_or_default(name),
+                                                              process_set))
+        return [out, np.asarray(received, np.int32)]
     inputs = [tensor] + ([tf.cast(_tensor(splits), tf.int32)] if given else [])
     return _collective(run, inputs, [tensor.dtype, tf.int32], [_tail_shape(tensor), None])
 
@@ -314,8 +316,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
 def _reducescatter_raw(tensors, name, op, process_set, prescale_factor, postscale_factor):
     def run(*arrays):
-        return _finish(engine.grouped_reducescatter_async(arrays, name, op, process_set, prescale_factor,
-                                                          postscale_factor))
+        return _finish(lambda: engine.grouped_reducescatter_async(arrays, engine.name_or_default(name), op,
+                                                                  process_set, prescale_factor, postscale_factor))
     return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors])
 
 
@@ -355,10 +357,20 @@ def reducescatter_op(tensor, name=None, op=Sum, ignore_name_scope=False, process
 # Join, barrier, and the rank family as ops.
 
 def join():
-    """Declare this rank done; the last rank to join, as a scalar tensor, the same on every rank (collective)."""
+    """Declare this rank done; the last rank to join, as a scalar tensor, the same on every rank (collective).
+
+    Until every rank has joined, a joined rank adds zeros to the others' allreduces.
+    """
     def run():
-        return [np.int32(engine.join())]
+        return [np.int32(_finish_join())]
     return _collective(run, [], [tf.int32], [tf.TensorShape([])])[0]
+
+
+def _finish_join():
+    try:
+        return engine.join()
+    except (engine.HorovodInternalError, ValueError) as exc:
+        raise _translated(exc) from None
 
 
 def barrier(process_set=global_process_set):
