@@ -142,6 +142,21 @@ def _collective(run, inputs, dtypes, shapes=None):
     return outputs
 
 
+# Element types the engine does not reduce but which ops that only move bytes can carry, as a same-sized type.
+_CARRIED = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}
+
+
+def _carried(array):
+    """``array`` as a type the engine takes, for an op that only moves bytes (allgather, broadcast, alltoall)."""
+    as_type = _CARRIED.get(array.dtype)
+    return array if as_type is None else array.view(as_type)
+
+
+def _back(result, like):
+    """``result`` with ``like``'s element type again (undoing :func:`_carried`)."""
+    return result if result.dtype == like.dtype else result.view(like.dtype)
+
+
 def _tensor(value):
     return value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
 
@@ -193,7 +208,9 @@ def allreduce_op(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_facto
 
 def _allgather_raw(tensors, name, process_set):
     def run(*arrays):
-        return _finish(lambda: engine.grouped_allgather_async(arrays, engine.name_or_default(name), process_set))
+        out = _finish(lambda: engine.grouped_allgather_async([_carried(a) for a in arrays],
+                                                             engine.name_or_default(name), process_set))
+        return [_back(o, a) for o, a in zip(out, arrays)]
     return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors])
 
 
@@ -235,7 +252,9 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 def _broadcast_raw(tensor, root_rank, name, process_set):
     def run(array):
-        return [_finish(lambda: engine.broadcast_async(array, root_rank, engine.name_or_default(name), process_set))]
+        out = _finish(lambda: engine.broadcast_async(_carried(array), root_rank, engine.name_or_default(name),
+                                                     process_set))
+        return [_back(out, array)]
     return _collective(run, [tensor], [tensor.dtype], [tensor.shape])[0]
 
 
@@ -284,9 +303,9 @@ def _alltoall_raw(tensor, splits, name, process_set):
 
     def run(array, *split_array):
         splits_ = split_array[0].astype(np.int32) if given else None
-        out, received = _finish(lambda: engine.alltoall_async(array, splits_, engine.name_or_default(name),
-                                                              process_set))
-        return [out, np.asarray(received, np.int32)]
+        out, received = _finish(lambda: engine.alltoall_async(_carried(array), splits_,
+                                                              engine.name_or_default(name), process_set))
+        return [_back(out, array), np.asarray(received, np.int32)]
     inputs = [tensor] + ([tf.cast(_tensor(splits), tf.int32)] if given else [])
     return _collective(run, inputs, [tensor.dtype, tf.int32], [_tail_shape(tensor), None])
 
