@@ -13,8 +13,10 @@ collective; the result comes back as new tensors. The contract, as Horovod's:
   before it (a control dependency), so each rank runs a graph's collectives
   in the order the program wrote them, the order every member must share;
   TensorFlow would otherwise run independent ops in any order, on several
-  threads at once. (In a TF1 graph, a collective that an earlier
-  ``session.run`` already ran is left out of the chain.)
+  threads at once, and a rank's blocked threads could wait on ops its peers
+  have not reached. In a TF1 graph a fetch therefore also runs the
+  collectives built before the ones it needs (their outputs unused), and
+  each collective is named by its place in the graph.
 * **Gradients.** Registered as Horovod registers them: an allreduce's is the
   same allreduce of the incoming gradient; an allgather's is this rank's rows
   of the averaged gradient; a broadcast's is the averaged gradient on the
@@ -85,40 +87,18 @@ def _finish(submit):
 
 # Running an op: eager, or a numpy_function chained after its graph's previous collective.
 
-_LAST = weakref.WeakKeyDictionary()  # graph -> (the last collective op built in it, its token)
-_RAN = set()  # tokens (graph id, index) of the TF1 graph collectives that have run at least once
+_LAST = weakref.WeakKeyDictionary()  # graph -> the last collective op built in it
 _COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> collectives built in it so far
 _EXECUTIONS = itertools.count(1)  # tf.function collectives run so far (they run one at a time, in program order)
 
 
-def _graph_function(run, name, token):
+def _graph_function(run, name):
     """The numpy_function body: the op layer's ops, named as the face chose (see the module docstring)."""
     def body(*arrays):
         arrays = [np.asarray(a) for a in arrays]
-        if token is not None:
-            _RAN.add(token)
         with engine.default_name(name if name is not None else f"tf.function.{next(_EXECUTIONS)}"):
             return [np.asarray(a) for a in run(*arrays)]
     return body
-
-
-def _previous(graph):
-    """The collective a new one in ``graph`` must run after, or None.
-
-    In a ``tf.function`` every op runs at each call: each collective runs
-    after the one built before it. In a TF1 graph only the ops fetched run:
-    a collective that has already run (fetched by an earlier ``session.run``)
-    is not made a dependency, or every later fetch would run it again (a
-    training step would broadcast the initial weights again); collectives a
-    session may then run in either order are matched by name (the n-th
-    collective built in the graph), so ranks that ran them in different
-    orders get an error, not each other's data.
-    """
-    last = _LAST.get(graph)
-    if last is None:
-        return None
-    op, token = last
-    return op if getattr(graph, "building_function", False) or token not in _RAN else None
 
 
 def _collective(run, inputs, dtypes, shapes=None):
@@ -126,16 +106,16 @@ def _collective(run, inputs, dtypes, shapes=None):
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a) for a in run(*[np.asarray(t.numpy()) for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
-    name = token = None
+    name = None
     if not getattr(graph, "building_function", False):
         _COUNTS[graph] = _COUNTS.get(graph, 0) + 1
-        name, token = f"graph-collective.{_COUNTS[graph]}", (id(graph), _COUNTS[graph])
-    previous = _previous(graph)
+        name = f"graph-collective.{_COUNTS[graph]}"
+    previous = _LAST.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.numpy_function(_graph_function(run, name, token), list(inputs), list(dtypes), stateful=True,
+        outputs = tf.numpy_function(_graph_function(run, name), list(inputs), list(dtypes), stateful=True,
                                     name="HorovodCollective")
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    _LAST[graph] = (outputs[0].op, token)
+    _LAST[graph] = outputs[0].op
     for out, shape in zip(outputs, shapes or []):
         if shape is not None:
             out.set_shape(shape)
