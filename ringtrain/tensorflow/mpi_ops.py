@@ -146,16 +146,30 @@ def _tail_shape(tensor):
     return tf.TensorShape([None]).concatenate(shape[1:]) if shape.rank else tf.TensorShape([None])
 
 
+try:  # whether a GradientTape is recording now: eagerly, an op nobody differentiates skips the gradient wrapper
+    from tensorflow.python.eager.record import could_possibly_record as _tape_active
+except ImportError:  # a TensorFlow without the module: always wrap
+    def _tape_active():
+        return True
+
+
 def _differentiable(tensors):
-    return any(t.dtype.is_floating or t.dtype.is_complex for t in tensors)
+    """Whether to register the op's gradient: floating tensors, in a graph or under a recording tape."""
+    if not any(t.dtype.is_floating or t.dtype.is_complex for t in tensors):
+        return False
+    return not tf.executing_eagerly() or _tape_active()
 
 
 # Allreduce.
 
 def _allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
     def run(*arrays):
-        return _finish(lambda: engine.grouped_allreduce_async(arrays, engine.name_or_default(name), op,
-                                                              prescale_factor, postscale_factor, process_set))
+        name_ = engine.name_or_default(name)
+        if len(arrays) == 1:  # a single op: the engine's small-op path (its data travels with the announcement)
+            return [_finish(lambda: engine.allreduce_async(arrays[0], name_, op, prescale_factor, postscale_factor,
+                                                           process_set))]
+        return _finish(lambda: engine.grouped_allreduce_async(arrays, name_, op, prescale_factor, postscale_factor,
+                                                              process_set))
     return _collective(run, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
 
 
