@@ -19,13 +19,19 @@ from .compression import Compression
 from .gradients import check_arguments, make_allreduce_grads_fn, reduce_with_locals, source_key
 from .mpi_ops import Average, global_process_set
 
-__all__ = ["DistributedKerasOptimizer", "DistributedOptimizer"]
+__all__ = ["DistributedKerasOptimizer", "DistributedOptimizer", "CallableList"]
 
 
 class DistributedKerasOptimizer:
     """What a wrapped Keras optimizer gains (mixed in before its own class; settings in the class's ``_hvd``)."""
 
     _hvd = None  # (allreduce_grads, process_set, scale_local_gradients), set on the class made for each wrap
+
+    @property
+    def variables(self):
+        """The optimizer's variables, as a list that may also be called (``opt.variables()``, Keras 2's spelling)."""
+        found = super().variables
+        return CallableList(found() if callable(found) else found)
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not reduced; scaled by 1/size when ``scale_local_gradients``)."""
@@ -48,6 +54,13 @@ class DistributedKerasOptimizer:
         pairs = list(grads_and_vars)
         reduced = self._hvd_reduce([g for g, _ in pairs], [v for _, v in pairs])
         return super().apply_gradients(list(zip(reduced, [v for _, v in pairs])), *args, **kwargs)
+
+
+class CallableList(list):
+    """A list that returns itself when called: ``opt.variables`` (Keras 3) and ``opt.variables()`` (Keras 2)."""
+
+    def __call__(self):
+        return self
 
 
 _KERAS_3 = hasattr(tf.keras, "version") and tf.keras.version().startswith("3")
