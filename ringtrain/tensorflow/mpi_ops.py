@@ -34,7 +34,6 @@ the same order (see :mod:`ringtrain.tensorflow.collectives`).
 """
 
 import itertools
-import sys
 import weakref
 
 import numpy as np
@@ -102,60 +101,21 @@ def _graph_function(run, name):
     return body
 
 
-def _tf1_body(run, name, dtypes):
-    """A TF1 graph's numpy_function body: the outputs and a status (1 when the ranks disagreed).
-
-    TensorFlow reports a Python function's exception as ``UnknownError``; a
-    TF1 graph raises Horovod's ``FailedPreconditionError`` for a disagreement
-    instead, from the check :func:`_checked_outputs` adds, and this body
-    prints the message (a refusal stays a ``ValueError``, which TensorFlow
-    reports as ``InvalidArgumentError``, as Horovod's).
-    """
-    body = _graph_function(run, name)
-
-    def with_status(*arrays):
-        try:
-            return [*body(*arrays), np.int32(0)]
-        except HorovodMismatchError as exc:
-            sys.stderr.write(f"rank {rank()}: {exc.message}\n")
-            return [*(np.zeros(0, d.as_numpy_dtype) for d in dtypes), np.int32(1)]
-    return with_status
-
-
-def _checked_outputs(outputs, status):
-    """``outputs``, after a check that raises ``FailedPreconditionError`` when ``status`` says the ranks disagreed."""
-    def failed():
-        # Reading a resource variable nobody made is TensorFlow's own FailedPreconditionError.
-        handle = tf.raw_ops.VarHandleOp(dtype=tf.bool, shape=[],
-                                        shared_name="horovod_collective_failed_its_message_is_on_stderr")
-        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.bool)
-    check = tf.cond(tf.equal(status, 0), lambda: tf.constant(True), failed)
-    with tf.control_dependencies([check]):
-        return [tf.identity(o) for o in outputs]
-
-
 def _collective(run, inputs, dtypes, shapes=None):
     """``run(*arrays) -> [arrays]`` over ``inputs``; a list of tensors of ``dtypes`` (shapes set in graphs)."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a) for a in run(*[np.asarray(t.numpy()) for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
-    tf1 = not getattr(graph, "building_function", False)
     name = None
-    if tf1:
+    if not getattr(graph, "building_function", False):
         _COUNTS[graph] = _COUNTS.get(graph, 0) + 1
         name = f"graph-collective.{_COUNTS[graph]}"
     previous = _LAST.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        if tf1:
-            outputs = tf.numpy_function(_tf1_body(run, name, dtypes), list(inputs), [*dtypes, tf.int32],
-                                        stateful=True, name="HorovodCollective")
-        else:
-            outputs = tf.numpy_function(_graph_function(run, name), list(inputs), list(dtypes), stateful=True,
-                                        name="HorovodCollective")
+        outputs = tf.numpy_function(_graph_function(run, name), list(inputs), list(dtypes), stateful=True,
+                                    name="HorovodCollective")
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     _LAST[graph] = outputs[0].op
-    if tf1:
-        outputs = _checked_outputs(outputs[:-1], outputs[-1])
     for out, shape in zip(outputs, shapes or []):
         if shape is not None:
             out.set_shape(shape)
