@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Run Horovod's own PyTorch tests, unmodified, against ringtrain.torch.
+# Run Horovod's own tests, unmodified, against ringtrain (test_torch.py by default).
 #
 #   scripts/horovod_tests.sh HOROVOD_CHECKOUT [NP ...]     (default NP: 2 3)
+#   TEST_FILE=test_tensorflow.py scripts/horovod_tests.sh HOROVOD_CHECKOUT 2 3
 #
-# HOROVOD_CHECKOUT holds test/parallel/test_torch.py and test/utils/ (for
+# HOROVOD_CHECKOUT holds test/parallel/$TEST_FILE and test/utils/ (for
 # example `git clone -b v0.28.1 https://github.com/horovod/horovod`). pytest
 # runs under ringtrain's runner (`python -m ringtrain.horovod -m pytest`), so
 # the file's `import horovod.torch as hvd` gets ringtrain.torch in those
@@ -17,16 +18,20 @@
 #
 # Environment: PYTHON (default: .venv/bin/python, else python3), MPIRUN
 # (default: next to PYTHON, else mpirun), CHUNK (default 20), TIMEOUT per
-# mpirun in seconds (default 300), PYTEST_K (a pytest -k expression, e.g.
+# mpirun in seconds (default 300), TEST_FILE (default test_torch.py; the muon_off
+# plugin is loaded for it only), PYTEST_K (a pytest -k expression, e.g.
 # "allreduce and not grad"), KEEP_LOGS (a directory to keep each rank's log
 # and report in).
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
-if [ $# -lt 1 ] || [ ! -f "$1/test/parallel/test_torch.py" ]; then
-    echo "usage: $0 HOROVOD_CHECKOUT [NP ...]: expected HOROVOD_CHECKOUT/test/parallel/test_torch.py" >&2
+test_file="${TEST_FILE:-test_torch.py}"
+case "$test_file" in */*|'') echo "$0: TEST_FILE must be a file name in test/parallel, got '$test_file'" >&2; exit 2;; esac
+if [ $# -lt 1 ] || [ ! -f "$1/test/parallel/$test_file" ]; then
+    echo "usage: $0 HOROVOD_CHECKOUT [NP ...]: expected HOROVOD_CHECKOUT/test/parallel/$test_file" >&2
     exit 2
 fi
+plugins=""; [ "$test_file" = test_torch.py ] && plugins="-p muon_off"
 checkout="$(cd "$1" && pwd)"; shift
 nps=("$@"); [ ${#nps[@]} -eq 0 ] && nps=(2 3)
 for np in "${nps[@]}"; do
@@ -42,10 +47,10 @@ trap 'rm -rf "$reports"' EXIT
 export PYTHONPATH="$root/scripts/horovod_compat:$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 # The test ids, collected once in a single process (pytest 9 prints them from the
 # checkout's root, where setup.cfg is; they are passed from test/parallel).
-(cd "$checkout/test/parallel" && "$python" -m ringtrain.horovod -m pytest -p muon_off -q --collect-only -p no:cacheprovider \
-    ${PYTEST_K:+-k "$PYTEST_K"} test_torch.py) | grep '::' | sed 's#^test/parallel/##' > "$reports/ids"
+(cd "$checkout/test/parallel" && "$python" -m ringtrain.horovod -m pytest $plugins -q --collect-only -p no:cacheprovider \
+    ${PYTEST_K:+-k "$PYTEST_K"} "$test_file") | grep '::' | sed 's#^test/parallel/##' > "$reports/ids"
 if [ ! -s "$reports/ids" ]; then
-    echo "$0: collected no tests from $checkout/test/parallel/test_torch.py" >&2
+    echo "$0: collected no tests from $checkout/test/parallel/$test_file" >&2
     exit 2
 fi
 split -l "$chunk" -d -a 3 "$reports/ids" "$reports/chunk-"
@@ -56,10 +61,10 @@ for np in "${nps[@]}"; do
         mkdir -p "$out"
         # PMI_RANK (MPICH) or OMPI_COMM_WORLD_RANK (Open MPI) names each rank's report.
         timeout -k 10 "$timeout_s" "$mpirun" -np "$np" bash -c \
-            'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m ringtrain.horovod -m pytest -p muon_off -v \
+            'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m ringtrain.horovod -m pytest $5 -v \
                 -p no:cacheprovider -o faulthandler_timeout=120 $(cat "$4") \
                 --junitxml="$3/rank-$r.xml" > "$3/rank-$r.log" 2>&1' \
-            _ "$checkout/test/parallel" "$python" "$out" "$list" > "$out/mpirun.log" 2>&1
+            _ "$checkout/test/parallel" "$python" "$out" "$list" "$plugins" > "$out/mpirun.log" 2>&1
         [ $? -eq 124 ] && echo "np=$np $(basename "$list"): timed out after ${timeout_s}s" >&2
     done
     "$python" "$here/horovod_tests_summary.py" "$np" "$reports/ids" "$reports/np$np" || status=1

@@ -25,6 +25,8 @@ GPU_ONLY = {os.path.join("tests", "mpi", name) for name in ("test_gpu.py", "test
 TORCH_ONLY = {os.path.join("tests", "mpi", f"test_{name}.py")
               for name in ("elastic", "torch_ops", "torch_process_sets", "torch_interop", "torch_model",
                            "torch_optimizer")}
+# Files whose every test needs tensorflow (the [tensorflow] extra): skipped the same way without it.
+TF_ONLY = {os.path.join("tests", "mpi", f"test_{name}.py") for name in ("tf_ops", "tf_keras")}
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -34,6 +36,9 @@ def test_under_mpirun(path, size):
         pytest.skip("no CUDA GPU visible to CuPy on this machine: every test in this file needs one")
     if path in TORCH_ONLY and importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (pip install torch==2.13.0): every test in this file needs it")
+    if path in TF_ONLY and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0): every test in this file "
+                    "needs it")
     result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
                            "-x", path], timeout=300)
     # Exit 5 ("no tests collected") fails too: every file has tests at every
@@ -55,3 +60,10 @@ def test_files_that_skip_whole_without_torch_are_torch_only():
         with open(os.path.join(ROOT, path)) as fh:
             skips_whole = 'importorskip("torch"' in fh.read()
         assert not skips_whole or path in TORCH_ONLY, f"{path} skips whole without torch: add it to TORCH_ONLY"
+
+
+def test_files_that_skip_whole_without_tensorflow_are_tf_only():
+    for path in FILES:
+        with open(os.path.join(ROOT, path)) as fh:
+            skips_whole = 'importorskip("tensorflow"' in fh.read()
+        assert skips_whole == (path in TF_ONLY), f"{path}: importorskip('tensorflow') and TF_ONLY must agree"

@@ -7,8 +7,10 @@ process resolves to ringtrain: ``horovod.torch`` *is* :mod:`ringtrain.torch`
 either name), ``horovod.torch.X`` is ``ringtrain.torch.X`` wherever ringtrain
 has a module of that name (``elastic`` included, once it exists), and the few
 packages ringtrain has no module for (``horovod``, ``horovod.common``,
-``horovod.runner``) are small modules built here. A name ringtrain does not
-serve (``horovod.spark``, ``horovod.tensorflow``) fails as a plain
+``horovod.runner``) are small modules built here. ``horovod.tensorflow`` is
+:mod:`ringtrain.tensorflow`; ``horovod.tensorflow.keras`` and
+``horovod.keras`` are both :mod:`ringtrain.keras`. A name ringtrain does not
+serve (``horovod.spark``, ``horovod.mxnet``) fails as a plain
 ``ModuleNotFoundError`` that says which names are served.
 
 Nothing here touches ``sys.path`` or any file, so a real Horovod installed in
@@ -26,7 +28,8 @@ import sys
 import threading
 import types
 
-__all__ = ["HOROVOD_VERSION", "HorovodFinder", "install", "uninstall", "installed", "served_name", "in_thread"]
+__all__ = ["HOROVOD_VERSION", "HorovodFinder", "install", "uninstall", "installed", "served_name", "in_thread",
+           "is_version_greater_equal_than", "split_list"]
 
 # The Horovod release whose PyTorch API ringtrain.torch follows; what
 # ``horovod.__version__`` says, for scripts that check it.
@@ -39,10 +42,20 @@ RENAMED = {
     "horovod.torch.mpi_ops": "ringtrain.torch",
     # Horovod's compressors live beside the distributed optimizer that uses them.
     "horovod.torch.compression": "ringtrain.torch.optimizer",
-    "horovod.common.exceptions": "ringtrain.torch.errors",
+    "horovod.common.exceptions": "ringtrain.engine.errors",  # torch-free: served with TensorFlow alone too
+    "horovod.tensorflow": "ringtrain.tensorflow",
+    # Horovod's two Keras packages share one implementation (as its horovod/_keras does).
+    "horovod.tensorflow.keras": "ringtrain.keras",
+    "horovod.keras": "ringtrain.keras",
+    "horovod._keras": "ringtrain.keras",
 }
+# Horovod's module prefixes served by a ringtrain package of another name: ``horovod.keras.callbacks`` is
+# ``ringtrain.keras.callbacks``. Longest first, so ``horovod.tensorflow.keras.`` wins over ``horovod.tensorflow.``.
+PREFIXES = (("horovod.tensorflow.keras.", "ringtrain.keras."), ("horovod.tensorflow.", "ringtrain.tensorflow."),
+            ("horovod.keras.", "ringtrain.keras."), ("horovod.torch.", "ringtrain.torch."))
 # Packages of Horovod's that ringtrain has no module for: built here.
-BUILT = ("horovod", "horovod.common", "horovod.runner", "horovod.runner.util", "horovod.runner.util.threads")
+BUILT = ("horovod", "horovod.common", "horovod.common.util", "horovod.runner", "horovod.runner.util",
+         "horovod.runner.util.threads")
 
 
 def served_name(fullname):
@@ -57,8 +70,9 @@ def served_name(fullname):
         return RENAMED[fullname]
     if fullname in BUILT:
         return fullname
-    if fullname.startswith("horovod.torch."):
-        return "ringtrain." + fullname[len("horovod."):]
+    for prefix, target in PREFIXES:
+        if fullname.startswith(prefix):
+            return target + fullname[len(prefix):]
     return None
 
 
@@ -85,6 +99,27 @@ def in_thread(target, args=(), name=None, daemon=True, silent=False):
     return thread
 
 
+LEAVES = ("horovod.runner.util.threads", "horovod.common.util")  # built modules that are not packages
+
+
+def is_version_greater_equal_than(ver, target):
+    """True when version ``ver`` is at least ``target`` (``horovod.common.util``; pure)."""
+    from packaging import version
+
+    return version.parse(ver) >= version.parse(target)
+
+
+def split_list(items, parts):
+    """``items`` cut into ``parts`` consecutive lists of nearly equal length (``horovod.common.util``; pure)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(items[start:stop])
+        start = stop
+    return out
+
+
 def _run(*args, **kwargs):
     from .runner import run  # the runner imports subprocess and pickle: only when a script calls it
 
@@ -98,7 +133,7 @@ _run.__name__ = "run"
 def _build(fullname):
     """A new module for one of :data:`BUILT`."""
     module = types.ModuleType(fullname, f"``{fullname}`` as served by ringtrain (see ringtrain.horovod.imports).")
-    if fullname != "horovod.runner.util.threads":
+    if fullname not in LEAVES:
         module.__path__ = []  # a package: its submodules come through the finder, never from disk
     if fullname == "horovod":
         module.__version__ = HOROVOD_VERSION
@@ -107,6 +142,9 @@ def _build(fullname):
         module.run = _run
     elif fullname == "horovod.runner.util.threads":
         module.in_thread = in_thread
+    elif fullname == "horovod.common.util":
+        module.is_version_greater_equal_than = is_version_greater_equal_than
+        module.split_list = split_list
     return module
 
 
@@ -141,9 +179,10 @@ class HorovodFinder(importlib.abc.MetaPathFinder):
             served = None
         if served is None:
             raise ModuleNotFoundError(
-                f"No module named {fullname!r}: python -m ringtrain.horovod serves horovod, horovod.torch and its "
-                "submodules, horovod.common.exceptions and horovod.run, not this one", name=fullname)
-        package = fullname in BUILT and fullname != "horovod.runner.util.threads"
+                f"No module named {fullname!r}: python -m ringtrain.horovod serves horovod, horovod.torch, "
+                "horovod.tensorflow, horovod.tensorflow.keras, horovod.keras and their submodules, "
+                "horovod.common.exceptions and horovod.run, not this one", name=fullname)
+        package = fullname in BUILT and fullname not in LEAVES
         return importlib.machinery.ModuleSpec(fullname, _Loader(served), is_package=package)
 
 

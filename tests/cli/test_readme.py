@@ -148,7 +148,7 @@ def test_ci_runs_the_readmes_test_commands_verbatim():
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         ci = f.read()
     commands = [raw for _, _, fence in _blocks("bash") for _, raw in _shell_lines(fence) if "pytest" in raw]
-    full = [c for c in commands if ".[test,torch,docs]" in c]
+    full = [c for c in commands if ".[test,torch,tensorflow,docs]" in c]
     assert full and all(c in ci for c in full), f"CI must run the docs' full test command: {full}"
     quick = [c for c in commands if ".[test]'" in c]
     assert quick and all(c in ci for c in quick), f"CI must run the quick start's torch-free test command: {quick}"

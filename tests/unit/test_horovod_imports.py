@@ -24,11 +24,24 @@ def test_served_names():
     assert imports.served_name("horovod.torch.mpi_ops") == "ringtrain.torch"
     assert imports.served_name("horovod.torch.elastic") == "ringtrain.torch.elastic"  # by name, when it exists
     assert imports.served_name("horovod.torch.optimizer") == "ringtrain.torch.optimizer"
-    assert imports.served_name("horovod.common.exceptions") == "ringtrain.torch.errors"
+    assert imports.served_name("horovod.common.exceptions") == "ringtrain.engine.errors"  # torch-free
     assert imports.served_name("horovod") == "horovod"
     assert imports.served_name("horovod.spark") is None
     assert imports.served_name("horovod.torch.elastic.sampler") == "ringtrain.torch.elastic.sampler"
     assert imports.served_name("horovod.torch.compression") == "ringtrain.torch.optimizer"
+    assert imports.served_name("horovod.tensorflow") == "ringtrain.tensorflow"
+    assert imports.served_name("horovod.tensorflow.mpi_ops") == "ringtrain.tensorflow.mpi_ops"
+    assert imports.served_name("horovod.tensorflow.keras") == "ringtrain.keras"
+    assert imports.served_name("horovod.tensorflow.keras.callbacks") == "ringtrain.keras.callbacks"
+    assert imports.served_name("horovod.keras") == "ringtrain.keras"
+    assert imports.served_name("horovod.keras.elastic") == "ringtrain.keras.elastic"
+    assert imports.served_name("horovod.mxnet") is None
+
+
+def test_horovod_common_util_helpers_are_pure():
+    assert imports.is_version_greater_equal_than("2.21.0", "2.6.0")
+    assert not imports.is_version_greater_equal_than("2.5.1", "2.6.0")
+    assert imports.split_list(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
 
 
 def test_nothing_is_served_until_installed():

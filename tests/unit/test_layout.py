@@ -21,7 +21,7 @@ LEVELS = {
     "errors": 0, "backend": 0, "environment": 0,
     "failure": 1, "watchdog": 1, "optim": 1, "io": 1, "cluster": 1, "data": 1,
     "comm": 2, "models": 2,
-    "training": 3, "engine": 3, "torch": 3,
+    "training": 3, "engine": 3, "torch": 3, "tensorflow": 3, "keras": 3,
     "commands": 4, "cli": 4, "__main__": 4, "__init__": 4, "horovod": 4,
 }
 MAX_TOP_MODULES = 10

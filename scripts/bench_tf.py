@@ -1,0 +1,66 @@
+"""The TensorFlow face's small op: ``hvd.allreduce`` of a 4 KiB tensor, eagerly, against ``ringtrain.allreduce_``.
+
+One launch (under mpirun) times both, interleaved: rounds of CALLS calls,
+the face's batch then the library's, each batch started after a barrier;
+the per-call time of a round is the slowest rank's, and the launch prints
+the medians over rounds, their ratio and the load average as one JSON line::
+
+    mpirun -np 2 python scripts/bench_tf.py --bytes 4096 --calls 500 --rounds 11
+
+Figures depend on the machine and its load: quote them with both.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def _timed(comm, fn, calls):
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    mine = (time.perf_counter() - start) / calls
+    return max(comm.allgather(mine))
+
+
+def one_launch(nbytes, calls, rounds):
+    import numpy as np
+    import tensorflow as tf
+    from mpi4py import MPI
+
+    import ringtrain
+    import ringtrain.tensorflow as hvd
+
+    hvd.init()
+    comm = MPI.COMM_WORLD
+    x = np.zeros(nbytes // 4, np.float32)  # zeros: a sum of zeros stays zero
+    t = tf.constant(x)
+    face = lambda: hvd.allreduce(t, op=hvd.Sum)  # noqa: E731 - the call timed, as a user writes it
+    library = lambda: ringtrain.allreduce_(x, op="sum")  # noqa: E731
+    face(), library()  # warm both paths
+    times = {"hvd.allreduce": [], "ringtrain.allreduce_": []}
+    for _ in range(rounds):
+        times["hvd.allreduce"].append(_timed(comm, face, calls))
+        times["ringtrain.allreduce_"].append(_timed(comm, library, calls))
+    medians = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    if comm.Get_rank() == 0:
+        print(json.dumps({"ranks": comm.Get_size(), "bytes": nbytes, "calls": calls, "rounds": rounds,
+                          "median_us": {k: round(v, 2) for k, v in medians.items()},
+                          "ratio": round(medians["hvd.allreduce"] / medians["ringtrain.allreduce_"], 2),
+                          "load": os.getloadavg()[0]}), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", type=int, default=4096, help="tensor size in bytes (default 4096)")
+    parser.add_argument("--calls", type=int, default=500, help="calls per timed batch (default 500)")
+    parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds (default 11)")
+    args = parser.parse_args()
+    one_launch(args.bytes, args.calls, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

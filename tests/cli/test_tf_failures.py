@@ -1,0 +1,38 @@
+"""The TensorFlow face's failure model in real jobs: ranks that disagree (MPMD), and a rank that raises.
+
+Each job runs under a time bound; assertions come after it ends. Skipped
+without tensorflow.
+"""
+
+import os
+import re
+import sys
+
+import pytest
+
+import mpirun
+from mpirun import ROOT, run, show
+from ringtrain.cluster.launch import find_mpirun
+
+pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu==2.21.0)")
+
+PROGRAM = os.path.join(ROOT, "tests", "cli", "programs", "tf_roles.py")
+
+
+def mpmd(first, second):
+    return [find_mpirun(), "-np", "1", sys.executable, PROGRAM, *first, ":", "-np", "1", sys.executable, PROGRAM,
+            *second]
+
+
+def test_ranks_that_disagree_on_a_shape_all_raise_eagerly_and_in_a_tf_function():
+    result = run(mpmd(["shape", "3"], ["shape", "4"]), timeout=240, env=mpirun.test_env())
+    assert result.returncode == 0, show(result)
+    verdicts = re.findall(r"agreed|mismatch: [^\n]*shape", result.stdout)
+    assert len(verdicts) == 4 and all(v.startswith("mismatch") for v in verdicts), show(result)
+
+
+def test_an_exception_on_one_rank_ends_the_job_naming_the_rank():
+    result = run(mpmd(["raise"], ["wait"]), timeout=240, env=mpirun.test_env())
+    assert result.returncode != 0, show(result)
+    assert "rank 0: RuntimeError: this rank gave up" in result.stderr, show(result)
+    assert "wait returned" not in result.stdout, show(result)

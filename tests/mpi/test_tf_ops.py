@@ -1,0 +1,196 @@
+"""ringtrain.tensorflow's Horovod ops against NumPy references, eagerly and inside tf.function.
+
+Run at 1, 2, 3 and 4 ranks by tests/test_mpi_suite.py. Every rank makes its
+own seeded data; the reference is MPI's allgather of everyone's data reduced
+with NumPy. Values are small integers, so every result is exact in every
+dtype and compared for equality. Many checks share one test (TensorFlow's
+import and tracing cost seconds per rank). Gradients are compared with
+TensorFlow's own gradient of the same computation written without
+collectives (every rank's data as constants), scaled by Horovod's convention
+for each op. Skipped where tensorflow is not installed.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip install tensorflow-cpu==2.21.0)")
+hvd = pytest.importorskip("ringtrain.tensorflow")
+
+import ringtrain.comm  # noqa: E402 - after the importorskip above
+from ringtrain.tensorflow.collectives import communicator_of, scatter_rows  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+DTYPES = [np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64]
+MODES = ["eager", "function"]
+
+
+@pytest.fixture(autouse=True)
+def runtime():
+    hvd.init()
+    # A rank whose assertion fails leaves its peers in the next op: the bound ends the job instead of a hang.
+    ringtrain.comm.set_timeout(120, comm=communicator_of(None))
+    yield
+    hvd.barrier()
+
+
+def _run(mode, fn, *args):
+    """``fn(*args)`` eagerly, or traced once into a tf.function and run there; NumPy results."""
+    if mode == "function":
+        fn = tf.function(fn)
+    out = fn(*args)
+    return tf.nest.map_structure(lambda t: t.numpy(), out)
+
+
+def _data(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    low = 0 if dtype == np.uint8 else -3
+    return rng.integers(low, 4, size=shape).astype(dtype)
+
+
+def _everyone(array):
+    return np.stack(COMM.allgather(array))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_every_op_and_dtype_matches_numpy(mode):
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    ops = {hvd.Sum: lambda a: a.sum(0), hvd.Min: lambda a: a.min(0), hvd.Max: lambda a: a.max(0)}
+    for i, dtype in enumerate(DTYPES):
+        x = _data((3, 4), dtype, 100 * r + i)
+        everyone = _everyone(x).astype(np.float64)
+        for op, reduce in ops.items():
+            got = _run(mode, lambda t, op=op: hvd.allreduce(t, op=op), tf.constant(x))
+            np.testing.assert_array_equal(got, reduce(everyone).astype(dtype), err_msg=f"{dtype} op {op}")
+        product = _run(mode, lambda t: hvd.allreduce(t, op=hvd.Product), tf.constant(np.ones_like(x) * 2))
+        np.testing.assert_array_equal(product, np.full_like(x, 2 ** n), err_msg=f"{dtype} product")
+        if dtype in (np.float32, np.float64):
+            average = _run(mode, lambda t: hvd.allreduce(t, op=hvd.Average, prescale_factor=2.0,
+                                                         postscale_factor=0.5), tf.constant(x))
+            np.testing.assert_allclose(average, everyone.mean(0).astype(dtype), rtol=1e-6)
+    grouped = _run(mode, lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum),
+                   tf.constant(np.full(5, r, np.float32)), tf.constant(np.full((2, 2), 1, np.int32)))
+    np.testing.assert_array_equal(grouped[0], np.full(5, sum(range(n)), np.float32))
+    np.testing.assert_array_equal(grouped[1], np.full((2, 2), n, np.int32))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", MODES)
+def test_allgather_broadcast_alltoall_reducescatter_match_numpy(mode):
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    for i, dtype in enumerate(DTYPES):
+        x = _data((r + 1, 2), dtype, 10 * r + i)
+        got = _run(mode, hvd.allgather, tf.constant(x))
+        np.testing.assert_array_equal(got, np.concatenate(COMM.allgather(x)), err_msg=f"allgather {dtype}")
+        y = _data((3,), dtype, 7 * r + i)
+        for root in range(n):
+            got = _run(mode, lambda t, root=root: hvd.broadcast(t, root), tf.constant(y))
+            np.testing.assert_array_equal(got, COMM.bcast(y, root=root), err_msg=f"broadcast {dtype} root {root}")
+    splits = np.array([(r + d) % 3 for d in range(n)], np.int32)
+    x = np.arange(int(splits.sum()) * 2, dtype=np.float32).reshape(-1, 2) + 100 * r
+    out, received = _run(mode, lambda t, s: hvd.alltoall(t, splits=s), tf.constant(x), tf.constant(splits))
+    sent = np.split(x, np.cumsum(splits)[:-1])
+    expected = COMM.alltoall(sent)
+    np.testing.assert_array_equal(out, np.concatenate(expected))
+    np.testing.assert_array_equal(received, [len(e) for e in expected])
+    for op in (hvd.Sum, hvd.Average):
+        z = _data((2 * n + 1, 3), np.float64, 3 * r)
+        got = _run(mode, lambda t, op=op: hvd.reducescatter(t, op=op), tf.constant(z))
+        total = _everyone(z).sum(0) / (n if op == hvd.Average else 1)
+        start, stop = scatter_rows(2 * n + 1, n)[r]
+        np.testing.assert_allclose(got, total[start:stop], err_msg=f"reducescatter op {op}")
+
+
+@pytest.mark.mpi
+def test_indexed_slices_are_gathered_as_horovod_does():
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    slices = tf.IndexedSlices(tf.constant(np.full((2, 3), r + 1, np.float32)), tf.constant([r, r + 1]),
+                              dense_shape=tf.constant([n + 1, 3]))
+    got = hvd.allreduce(slices, op=hvd.Sum)
+    dense = tf.math.unsorted_segment_sum(got.values, got.indices, n + 1).numpy()
+    expected = np.zeros((n + 1, 3), np.float32)
+    for k in range(n):
+        expected[k:k + 2] += k + 1
+    np.testing.assert_array_equal(dense, expected)
+    with pytest.raises(NotImplementedError):
+        hvd.allreduce(slices, op=hvd.Max)
+
+
+def _global_loss(op, n, r, xs, ws, x_me):
+    """The sum over ranks of each rank's ``sum(w_rank * op(x))`` written without collectives (TF's own graph)."""
+    xs = [x_me if k == r else tf.constant(x) for k, x in enumerate(xs)]
+    if op == "allreduce":
+        outs = [tf.add_n(xs)] * n
+    elif op == "allgather":
+        outs = [tf.concat(xs, 0)] * n
+    elif op == "broadcast":
+        outs = [xs[0]] * n
+    else:  # reducescatter (sum)
+        total = tf.add_n(xs)
+        outs = [total[a:b] for a, b in scatter_rows(total.shape[0], n)]
+    return tf.add_n([tf.reduce_sum(tf.constant(w) * o) for w, o in zip(ws, outs)])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_match_tensorflow_with_horovods_scaling(mode):
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    # Horovod's registered gradients relative to the gradient of the sum of every rank's loss.
+    cases = {"allreduce": (lambda t: hvd.allreduce(t, op=hvd.Sum), 1.0),
+             "allgather": (hvd.allgather, 1.0 / n),
+             "broadcast": (lambda t: hvd.broadcast(t, 0), (1.0 / n) if r == 0 else 0.0),
+             "reducescatter": (lambda t: hvd.reducescatter(t, op=hvd.Sum), float(n))}
+    for name, (op, scale) in cases.items():
+        x = np.random.default_rng(r).normal(size=(n + 1, 2))
+        xs = COMM.allgather(x)
+        out_shape = {"allgather": (sum(len(a) for a in xs), 2),
+                     "reducescatter": (np.subtract(*scatter_rows(n + 1, n)[r][::-1]), 2)}.get(name, x.shape)
+        w = np.random.default_rng(50 + r).normal(size=out_shape)
+        ws = COMM.allgather(w)
+
+        def grad(v, w=w, op=op):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.convert_to_tensor(w) * op(v))
+            return tape.gradient(loss, v)
+        v = tf.Variable(x)
+        got = _run(mode, grad, v)
+        with tf.GradientTape() as tape:
+            reference = tape.gradient(_global_loss(name, n, r, xs, ws, v), v,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        np.testing.assert_allclose(got, scale * reference.numpy(), atol=1e-12, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_disagreement_is_an_error_on_every_rank(mode):
+    # Eagerly the errors are Horovod's types; inside a graph TensorFlow reports a Python function's
+    # error as its own (InvalidArgumentError or UnknownError), with the message kept.
+    r = COMM.Get_rank()
+    mismatch = tf.errors.FailedPreconditionError if mode == "eager" else tf.errors.OpError
+    with pytest.raises(mismatch, match="shape"):
+        _run(mode, hvd.allreduce, tf.ones([3 + r]))
+    with pytest.raises(mismatch, match="dtype"):
+        _run(mode, hvd.allgather, tf.ones([2], tf.float32 if r else tf.int32))
+    if r == 0:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="splits"):
+            _run(mode, lambda t: hvd.alltoall(t, splits=[5] * COMM.Get_size()), tf.ones([2]))
+    else:
+        with pytest.raises(mismatch, match="rank 0 refused"):
+            _run(mode, hvd.alltoall, tf.ones([COMM.Get_size()]))
+
+
+@pytest.mark.mpi
+def test_tape_optimizer_and_objects():
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    v = tf.Variable(np.full(3, float(r)))
+    hvd.broadcast_variables([v], root_rank=n - 1)
+    np.testing.assert_array_equal(v.numpy(), np.full(3, float(n - 1)))
+    w = tf.Variable(np.arange(3.0))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * float(r + 1))
+    grads = hvd.DistributedGradientTape(tape).gradient(loss, [w])
+    np.testing.assert_allclose(grads[0].numpy(), np.full(3, (n + 1) / 2))
+    assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
+    assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
+    assert int(hvd.size_op().numpy()) == n and int(hvd.rank_op().numpy()) == r
