@@ -75,6 +75,11 @@ def _running(name):
     return pids
 
 
+def _first_job_id():
+    """A first job id no other Slurm started on this machine lately has used (ids below Slurm's 67,108,863)."""
+    return 1000 + (time.time_ns() // 1_000_000) % 60_000_000
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("", 0))
@@ -195,6 +200,10 @@ class Slurm:
             os.makedirs(self.path(sub))
         lines = where + [
             "ClusterName=ringtrain-tests",
+            # Job ids unique to this Slurm: MPICH names a step's shared state after its job and step, so a
+            # job 5 of an earlier Slurm on this machine (an earlier run's, or an aborted one's) could meet
+            # this one's job 5 in MPI_Init.
+            f"FirstJobId={_first_job_id()}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             # A requeued job waits cred_expire seconds before it may start again (120 by default; 5 is the least).
