@@ -38,9 +38,9 @@ import time
 
 from ..errors import UsageError
 from ..io.safeio import printable
-from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, elastic_start,
-                      is_listening, make_key, make_private_directory, read_notice, under_elastic_launch,
-                      write_listening, write_notice)
+from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_ancestors, check_private_directory,
+                      elastic_env, elastic_start, is_listening, make_key, make_private_directory, read_notice,
+                      under_elastic_launch, write_listening, write_notice)
 from .discovery import (DiscoveryError, DiscoveryPoller, HostBook, assign, check_elastic_numbers, discovery_command,
                         format_hosts, host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
@@ -368,6 +368,8 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
     env = dict(os.environ if env is None else env)
     if env.get(ENV_DIR) and os.path.lexists(env[ENV_DIR]):  # a new one is made private at the start
         check_private_directory(os.path.abspath(env[ENV_DIR]), ENV_DIR)
+    elif env.get(ENV_DIR):
+        check_ancestors(os.path.abspath(env[ENV_DIR]), ENV_DIR)
     numbers = check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, reset_limit, cooldown)
     fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
     if discovery_script is not None:

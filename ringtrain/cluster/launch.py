@@ -31,7 +31,7 @@ import tempfile
 from ..environment import env_int
 from ..errors import UsageError
 from ..io.safeio import printable
-from .commits import check_private_directory
+from .commits import check_ancestors, check_private_directory
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
 from .slurm import allocation_hosts, allocation_tasks, step_tasks
@@ -365,6 +365,8 @@ def check_logdir(logdir):
         raise UsageError(f"-o {logdir}: exists and is not a directory; choose another log directory")
     if os.path.lexists(logdir):
         check_private_directory(logdir, "-o")
+    else:
+        check_ancestors(logdir, "-o")
     parent = logdir
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
