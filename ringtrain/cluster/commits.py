@@ -386,6 +386,22 @@ class CommitStore:
         (default :func:`warnings.warn`), falling back to the one before; it
         is never unpickled.
         """
+        found = self.newest_verified(warn)
+        if found is None:
+            return None
+        arrays, meta = found
+        return meta["step"], self.decode(arrays), meta
+
+    def newest_verified(self, warn=None):
+        """``(arrays, metadata)`` of the newest commit whose HMAC verifies, not unpickled; None when none does.
+
+        The check rank 0 makes before it restores, so the launcher can say
+        truly whether the job will resume. Commits skipped are named through
+        ``warn``, as for :meth:`latest`.
+
+        Raises:
+            UsageError: the directory, its ``commits/`` or its key is not the user's own.
+        """
         warn = warn or _warn
         if not os.path.lexists(self.directory):
             return None
@@ -397,7 +413,7 @@ class CommitStore:
         for path in list_checkpoints(self.commits):
             arrays, meta = self._verified(path, key, warn)
             if arrays is not None:
-                return meta["step"], self.decode(arrays), meta
+                return arrays, meta
         return None
 
     def _verified(self, path, key, warn):

@@ -225,6 +225,8 @@ def test_a_planted_commit_is_never_unpickled_and_the_job_starts_afresh(tmp_path,
     warned = [line for line in result.stderr.splitlines() if planted in line]
     assert len(warned) == 1 and "was not written by this directory's launches" in warned[0], show(result)
     assert "not restored, never unpickled" in warned[0], show(result)
+    # The launcher checks as rank 0 does: a file named like a commit is no promise of a resume.
+    assert "earlier launch" not in result.stderr and "resumes from it" not in result.stderr, show(result)
 
 
 @needs_torch
@@ -238,4 +240,7 @@ def test_a_commit_signed_with_the_directory_key_is_restored(tmp_path):
     again = run(elastic(program=python_program()), timeout=120, env=job_env(RINGTRAIN_ELASTIC_DIR=str(directory)))
     assert again.returncode == 0 and "started at the end, ended at 3" in again.stdout, show(again)
     assert "resuming from the end of the run" in again.stderr and "not restored" not in again.stderr, show(again)
+    said = [line for line in again.stderr.splitlines() if "of an earlier launch" in line]
+    assert len(said) == 1 and f"{directory} holds commit " in said[0], show(again)
+    assert said[0].endswith("signed with its key: the job resumes from it"), show(again)
     assert hashlib.sha256(key).digest() == hashlib.sha256((directory / "commit.key").read_bytes()).digest()
