@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import ringtrain, run, show
+from mpirun import mpirun, ringtrain, run, show
 from mpirun import test_env as job_env
 from ringtrain.io.checkpoint import save_checkpoint
 
@@ -227,6 +227,22 @@ def test_a_planted_commit_is_never_unpickled_and_the_job_starts_afresh(tmp_path,
     assert "not restored, never unpickled" in warned[0], show(result)
     # The launcher checks as rank 0 does: a file named like a commit is no promise of a resume.
     assert "earlier launch" not in result.stderr and "resumes from it" not in result.stderr, show(result)
+
+
+@needs_torch
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_refused_elastic_directory_under_plain_mpirun_is_named_not_a_resume(tmp_path, ranks):
+    # No launcher checked it first, and there is no commit: the job says what is wrong with the directory.
+    directory = tmp_path / "elastic"
+    directory.mkdir()
+    os.chmod(directory, 0o777)
+    result = mpirun(ranks, python_program(), timeout=120, env=job_env(RINGTRAIN_ELASTIC_DIR=str(directory)))
+    assert result.returncode == 2, show(result)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, show(result)
+    assert f"error: RINGTRAIN_ELASTIC_DIR {directory}: is writable by its group and others (mode 0777)" \
+        in errors[0], show(result)
+    assert "cannot resume" not in result.stderr and contents(directory) == [], show(result)
 
 
 @needs_torch
