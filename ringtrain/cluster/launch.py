@@ -264,6 +264,9 @@ def check_request(np, command, hostfile=None, host_list=None, env=None):
     env = os.environ if env is None else env
     if not command:
         raise UsageError("no command given; put it after '--', e.g. ringtrain launch -np 2 -- ringtrain info")
+    if not command[0].strip():  # no program has a blank name: mpiexec would fail each rank (or --dry-run show it)
+        raise UsageError(f"the command after '--' is {command[0]!r}, an empty program name; give the program to "
+                         "run, e.g. ringtrain launch -np 2 -- ringtrain info")
     if hostfile and host_list:
         raise UsageError("give --hostfile or -H, not both")
     _check_one_copy(env)

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 from mpirun import ringtrain, run, show
 
 # One write per line: unbuffered print() writes its pieces separately, and
@@ -93,3 +95,14 @@ def test_bad_inputs_are_one_line_exit_2_never_a_traceback_or_a_hang(tmp_path):
         assert result.returncode == 2, show(result)
         assert result.stderr.startswith(f"ringtrain: error: {message}"), show(result)
         assert len(result.stderr.splitlines()) == 1 and result.stdout == "", show(result)
+
+
+@pytest.mark.parametrize("program", ["", "  "])
+@pytest.mark.parametrize("flags", [["--dry-run"], [], ["--dry-run", "-H", "localhost:1"],
+                                   ["--dry-run", "--min-np", "1"], ["--min-np", "1"]])
+def test_an_empty_program_name_is_refused_in_one_line_dry_run_too(tmp_path, program, flags):
+    logs = tmp_path / "logs"
+    result = run(ringtrain("launch", "-np", "1", *flags, "-o", str(logs), "--", program, "x"), timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    assert f"the command after '--' is {program!r}, an empty program name" in result.stderr, show(result)
+    assert result.stdout == "" and not logs.exists(), show(result)
