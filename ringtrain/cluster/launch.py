@@ -34,7 +34,7 @@ from ..io.safeio import printable
 from .commits import check_ancestors, check_private_directory
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
-from .slurm import allocation_hosts, allocation_tasks, step_tasks
+from .slurm import allocation_hosts, allocation_tasks, job_id, step_tasks
 
 __all__ = [
     "RANK_VARIABLES",
@@ -329,8 +329,22 @@ def slurm_request(np, hostfile, host_list, env):
         if np is None and hosts:
             raise UsageError(_no_task_count(env, hosts))
         if np is None:
-            raise UsageError("-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)")
+            raise UsageError(_no_np(env, hostfile or host_list))
     return np, hosts
+
+
+def _no_np(env, hosts_given):
+    """Why ``-np`` is needed, true to what the environment holds, and the fix (pure)."""
+    job = job_id(env)
+    if job is None:
+        return "-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)"
+    if hosts_given:
+        return (f"-np N is required with --hostfile or -H, inside Slurm job {job} too: SLURM_NTASKS counts the "
+                "ranks only on the allocation's own hosts")
+    return (f"SLURM_JOB_ID={job} is set but neither SLURM_JOB_NODELIST nor SLURM_NODELIST is, so the allocation's "
+            "hosts and task count are unknown; give -np N (and --hostfile or -H for other hosts), run it inside "
+            "the allocation (its batch script or salloc shell, where Slurm sets SLURM_JOB_NODELIST), or unset "
+            "SLURM_JOB_ID if it is left over")
 
 
 def _no_task_count(env, hosts):

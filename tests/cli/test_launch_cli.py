@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from mpirun import ringtrain, run, show
+from mpirun import test_env as job_env
 
 # One write per line: unbuffered print() writes its pieces separately, and
 # ranks sharing mpirun's stdout would interleave them.
@@ -106,3 +107,27 @@ def test_an_empty_program_name_is_refused_in_one_line_dry_run_too(tmp_path, prog
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
     assert f"the command after '--' is {program!r}, an empty program name" in result.stderr, show(result)
     assert result.stdout == "" and not logs.exists(), show(result)
+
+
+def without_slurm(**extra):
+    """The test environment with no Slurm variable but ``extra``: as a job script's leftover might set it."""
+    env = {k: v for k, v in job_env().items() if not k.startswith("SLURM_")}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_slurm_job_id_without_its_node_list_is_named_not_called_outside_an_allocation(dry_run):
+    result = run(ringtrain("launch", *dry_run, "--", "true"), timeout=60, env=without_slurm(SLURM_JOB_ID="7"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    line = result.stderr.strip()
+    assert "outside a Slurm allocation" not in line, show(result)
+    for words in ("SLURM_JOB_ID=7 is set but neither SLURM_JOB_NODELIST nor SLURM_NODELIST is", "give -np N",
+                  "unset SLURM_JOB_ID"):
+        assert words in line, show(result)
+    with_hosts = run(ringtrain("launch", *dry_run, "-H", "localhost:1", "--", "true"), timeout=60,
+                     env=without_slurm(SLURM_JOB_ID="7"))
+    assert with_hosts.returncode == 2 and "-np N is required with --hostfile or -H, inside Slurm job 7 too" \
+        in with_hosts.stderr, show(with_hosts)
+    outside = run(ringtrain("launch", *dry_run, "--", "true"), timeout=60, env=without_slurm())
+    assert outside.returncode == 2 and "-np N is required outside a Slurm allocation" in outside.stderr, show(outside)
