@@ -131,3 +131,29 @@ def test_a_slurm_job_id_without_its_node_list_is_named_not_called_outside_an_all
         in with_hosts.stderr, show(with_hosts)
     outside = run(ringtrain("launch", *dry_run, "--", "true"), timeout=60, env=without_slurm())
     assert outside.returncode == 2 and "-np N is required outside a Slurm allocation" in outside.stderr, show(outside)
+
+
+LONG_NAME = "n" * 254  # one past the longest name DNS allows
+
+
+@pytest.mark.parametrize("elastic", [[], ["--min-np", "1"]])
+@pytest.mark.parametrize("source, entry, said", [
+    ("-H", "node1:" + "x" * 5000, "-H entry 1: expected 'host slots=N' or 'host:N', got 'node1:xxx"),
+    ("-H", LONG_NAME + ":1", "-H entry 1: a host name of 254 characters (at most 253), got 'nnn"),
+    ("-H", LONG_NAME, "-H entry 1: a host name of 254 characters (at most 253)"),
+    ("hostfile", "node1 slots=" + "x" * 5000, "hostfile line 1: expected 'host slots=N' or 'host:N', got 'node1 slot"),
+    ("hostfile", LONG_NAME + " slots=1", "hostfile line 1: a host name of 254 characters (at most 253)"),
+    ("hostfile", LONG_NAME + ":2", "hostfile line 1: a host name of 254 characters (at most 253)"),
+])
+def test_hosts_entries_are_quoted_short_and_names_past_253_characters_refused(tmp_path, elastic, source, entry,
+                                                                             said):
+    if source == "hostfile":
+        (tmp_path / "hosts").write_text(entry + "\n")
+        hosts = ["--hostfile", str(tmp_path / "hosts")]
+    else:
+        hosts = ["-H", entry]
+    result = run(ringtrain("launch", "-np", "1", *elastic, "--dry-run", *hosts, "--", "true"), timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    line = result.stderr.strip()
+    assert said in line and len(line) < 400, show(result)
+    assert "x" * 100 not in line and "n" * 100 not in line, show(result)
