@@ -19,7 +19,9 @@ the key, checked with :func:`hmac.compare_digest` before anything is
 unpickled. A SHA-256 alone proves nothing (anyone can compute one). The
 key is only as secret as the directory, so the directory must be the
 user's: owned by them and writable by nobody else (as ssh refuses a key
-file others can write), and no symbolic link is followed under it. A
+file others can write), under directories that are root's or the user's
+and that nobody else may write unless sticky (so nobody can swap it), and
+no symbolic link is followed under it. A
 commit that fails is skipped with one line and never unpickled.
 
 Framework-neutral (no torch): :class:`CommitStore` pickles a snapshot
@@ -49,8 +51,8 @@ from ..io.safeio import file_kind, os_reason
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "COMMITS", "KEY_FILE", "FORMAT", "elastic_env",
            "under_elastic_launch", "elastic_start", "write_notice", "read_notice", "write_listening", "is_listening",
-           "directory_problem", "check_private_directory", "make_private_directory", "make_key", "read_key",
-           "commit_mac", "CommitStore"]
+           "directory_problem", "ancestor_problem", "check_private_directory", "check_ancestors",
+           "make_private_directory", "make_key", "read_key", "commit_mac", "CommitStore"]
 
 ENV_DIR = "RINGTRAIN_ELASTIC_DIR"
 ENV_JOB = "RINGTRAIN_ELASTIC_JOB"
@@ -136,11 +138,13 @@ def directory_problem(path, link_ok=True):
 
     A directory another user owns, or one that others may write, lets them
     plant files that pass for the job's: a commit that runs their code
-    when it is unpickled, a log that blames the wrong rank. Only the
-    directory itself is checked (a sticky ``/tmp`` above it is fine, as ssh
-    allows). ``link_ok`` False refuses a symbolic link at ``path`` (the
-    entries under the commit directory); otherwise a link is allowed when
-    it is the user's own, and its target is what is checked.
+    when it is unpickled, a log that blames the wrong rank. So does one
+    under a directory they may write, where they can rename it away and put
+    their own in its place: every directory above it is checked as ssh
+    checks the path to a key (:func:`ancestor_problem`). ``link_ok`` False
+    refuses a symbolic link at ``path`` (the entries under the commit
+    directory); otherwise a link is allowed when it is the user's own, and
+    its target is what is checked.
     """
     try:
         st = os.lstat(path)
@@ -159,7 +163,48 @@ def directory_problem(path, link_ok=True):
     writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
     if writable:
         return f"is writable by its {' and '.join(writable)} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ancestor_problem(path)
+
+
+def ancestor_problem(path):
+    """Why a directory above ``path`` would let another user swap ``path`` for their own; None when none would.
+
+    ssh's rule for the path to a key file: every directory above the real
+    path must be owned by root or the user, and writable by nobody else
+    unless it is sticky (as ``/tmp`` is, where only an entry's owner may
+    rename it). The real place of every link on the way is checked too:
+    whoever may write there may point the link elsewhere. A directory not
+    made yet is skipped: the launcher makes it, mode 0700.
+    """
+    for parent in _ancestors(path):
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"is under {parent}, which cannot be checked ({os_reason(exc)})"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"is under {parent}, which {_user(st.st_uid)} owns, not you or root"
+        writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+        if writable and not st.st_mode & stat.S_ISVTX:
+            return (f"is under {parent}, which its {' and '.join(writable)} may write and which is not sticky "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o})")
     return None
+
+
+def _ancestors(path):
+    """The directories above ``path``'s real place and above each link's on the way, from ``/`` down (pure)."""
+    path = os.path.abspath(path)
+    places = {os.path.dirname(os.path.realpath(path))}
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        places.add(os.path.realpath(path))
+    found = set()
+    for place in places:
+        while place not in found:
+            found.add(place)
+            place = os.path.dirname(place)
+    return sorted(found, key=lambda p: (p.count(os.sep), p))
 
 
 def _user(uid):
@@ -179,14 +224,33 @@ def check_private_directory(path, what, link_ok=True):
     problem = directory_problem(path, link_ok)
     if problem is None:
         return
+    if problem.startswith("is under"):
+        _refuse_ancestor(path, what, problem)
     if problem.startswith(("is owned", "is writable", "is a symbolic link owned")):
         raise UsageError(f"{what} {path}: {problem}; another user could plant files there that pass for the "
                          f"job's; give a directory of your own that only you can write (chmod go-w, or a new one)")
     raise UsageError(f"{what} {path}: {problem}; give a directory of your own")
 
 
+def check_ancestors(path, what):
+    """Refuse ``path`` in one line (UsageError) when a directory above it would let another user swap it."""
+    problem = ancestor_problem(path)
+    if problem is not None:
+        _refuse_ancestor(path, what, problem)
+
+
+def _refuse_ancestor(path, what, problem):
+    raise UsageError(f"{what} {path}: {problem}; another user could put a directory of theirs in its place; give "
+                     "one whose every parent is yours or root's and writable only by its owner (or sticky, as "
+                     "/tmp is)")
+
+
 def make_private_directory(path, what, link_ok=True):
-    """Create ``path`` (mode 0700) if it is missing, then check it is the user's own (UsageError)."""
+    """Create ``path`` (mode 0700) if it is missing, then check it is the user's own (UsageError).
+
+    Nothing is made under a directory that fails :func:`ancestor_problem`.
+    """
+    check_ancestors(path, what)
     try:
         os.makedirs(path, mode=0o700)
     except FileExistsError:
@@ -322,6 +386,22 @@ class CommitStore:
         (default :func:`warnings.warn`), falling back to the one before; it
         is never unpickled.
         """
+        found = self.newest_verified(warn)
+        if found is None:
+            return None
+        arrays, meta = found
+        return meta["step"], self.decode(arrays), meta
+
+    def newest_verified(self, warn=None):
+        """``(arrays, metadata)`` of the newest commit whose HMAC verifies, not unpickled; None when none does.
+
+        The check rank 0 makes before it restores, so the launcher can say
+        truly whether the job will resume. Commits skipped are named through
+        ``warn``, as for :meth:`latest`.
+
+        Raises:
+            UsageError: the directory, its ``commits/`` or its key is not the user's own.
+        """
         warn = warn or _warn
         if not os.path.lexists(self.directory):
             return None
@@ -333,7 +413,7 @@ class CommitStore:
         for path in list_checkpoints(self.commits):
             arrays, meta = self._verified(path, key, warn)
             if arrays is not None:
-                return meta["step"], self.decode(arrays), meta
+                return arrays, meta
         return None
 
     def _verified(self, path, key, warn):

@@ -28,7 +28,7 @@ import threading
 import time
 
 from ..errors import UsageError
-from .hostfiles import MAX_NP, Host, ipv6_problem
+from .hostfiles import MAX_NP, Host, ipv6_problem, name_problem, shown
 
 __all__ = ["DiscoveryError", "parse_discovery", "run_discovery", "discovery_command", "HostBook", "assign",
            "host_of_rank", "format_hosts", "cooldown_seconds", "check_elastic_numbers", "EXCLUDE_AFTER",
@@ -44,8 +44,6 @@ DISCOVERY_TIMEOUT = 30.0
 # A host list is a line per host: more output than this is no host list, and
 # is refused as it arrives rather than read into memory whole.
 MAX_OUTPUT = 1 << 20
-# The longest host name DNS allows: a longer "name" is garbage, and would go whole onto mpirun's command line.
-MAX_NAME = 253
 # Horovod's bounds on --blacklist-cooldown-range, in seconds.
 COOLDOWN_LIMITS = (1, 3600)
 
@@ -74,15 +72,13 @@ def parse_discovery(text, default_slots=1, source="host discovery script"):
         if v6 is not None:
             raise DiscoveryError(f"{where}: {v6}")
         name, _, count = line.partition(":")
-        shown = repr(line) if len(line) <= 80 else f"{line[:77]!r}..."  # a line may be up to MAX_OUTPUT long
-        if len(name) > MAX_NAME:
-            raise DiscoveryError(f"{where}: a host name of {len(name):,} characters (at most {MAX_NAME}), got "
-                                 f"{shown}")
+        if name_problem(name) is not None:  # a line may be up to MAX_OUTPUT long: it is quoted cut short
+            raise DiscoveryError(f"{where}: {name_problem(name)}, got {shown(line)}")
         if not _NAME.fullmatch(name) or (count and not (count.isascii() and count.isdigit() and len(count) <= 9)):
-            raise DiscoveryError(f"{where}: expected 'host:slots' or 'host', got {shown}")
+            raise DiscoveryError(f"{where}: expected 'host:slots' or 'host', got {shown(line)}")
         slots = int(count) if count else default_slots
         if not 1 <= slots <= MAX_NP:
-            raise DiscoveryError(f"{where}: slots must be between 1 and {MAX_NP}, got {shown}")
+            raise DiscoveryError(f"{where}: slots must be between 1 and {MAX_NP}, got {shown(line)}")
         if name in hosts:
             raise DiscoveryError(f"{where}: host {name} is listed twice")
         hosts[name] = slots

@@ -38,9 +38,9 @@ import time
 
 from ..errors import UsageError
 from ..io.safeio import printable
-from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, check_private_directory, elastic_env, elastic_start,
-                      is_listening, make_key, make_private_directory, read_notice, under_elastic_launch,
-                      write_listening, write_notice)
+from .commits import (COMMITS, ENV_DIR, ENV_GENERATION, ENV_JOB, CommitStore, check_ancestors,
+                      check_private_directory, elastic_env, elastic_start, is_listening, make_key,
+                      make_private_directory, read_notice, under_elastic_launch, write_listening, write_notice)
 from .discovery import (DiscoveryError, DiscoveryPoller, HostBook, assign, check_elastic_numbers, discovery_command,
                         format_hosts, host_of_rank, run_discovery)
 from .hostfiles import Host, check_hosts, check_np, parse_host_list, read_hostfile
@@ -102,6 +102,20 @@ def _has_commit(directory):
     with contextlib.suppress(OSError):
         return any(name.startswith("ckpt-") for name in os.listdir(os.path.join(directory, COMMITS)))
     return False
+
+
+def _resumable(directory):
+    """The sequence of the commit rank 0 will restore, checked as rank 0 checks it (never unpickled); else None.
+
+    A file named like a commit proves nothing: one that another user
+    planted, or one signed with another key, is skipped by rank 0, which
+    says so itself.
+    """
+    try:
+        found = CommitStore(directory).newest_verified(warn=lambda line: None)
+    except (UsageError, OSError):  # rank 0 refuses it in one line of its own
+        return None
+    return None if found is None else found[1]["step"]
 
 
 def _clear_records(directory):
@@ -368,6 +382,8 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
     env = dict(os.environ if env is None else env)
     if env.get(ENV_DIR) and os.path.lexists(env[ENV_DIR]):  # a new one is made private at the start
         check_private_directory(os.path.abspath(env[ENV_DIR]), ENV_DIR)
+    elif env.get(ENV_DIR):
+        check_ancestors(os.path.abspath(env[ENV_DIR]), ENV_DIR)
     numbers = check_elastic_numbers(np, min_np, max_np, slots_per_host, elastic_timeout, reset_limit, cooldown)
     fixed = _fixed_hosts(np, numbers[1], host_source, discovery_script, slots_per_host, plan.oversubscribe)
     if discovery_script is not None:
@@ -393,8 +409,10 @@ def launch_elastic(plan, *, np, host_source, min_np, max_np, discovery_script, s
     launcher.directory, owned = commit_directory(plan.logdir, env)
     launcher.records = plan.logdir or launcher.directory
     _prepare_directory(launcher.directory, given=not owned)
-    if _has_commit(launcher.directory):
-        launcher.say(f"{launcher.directory} holds a commit of an earlier launch: the job resumes from it")
+    resumable = _resumable(launcher.directory)
+    if resumable is not None:
+        launcher.say(f"{launcher.directory} holds commit {resumable} of an earlier launch, signed with its key: "
+                     "the job resumes from it")
     stdout.flush()
     status = None
     try:

@@ -18,9 +18,13 @@ from ..io.safeio import Unreadable, open_regular_fd
 
 __all__ = ["Host", "EXPECTED", "parse_hostfile", "read_hostfile", "parse_host_list", "format_hostfile",
            "check_slots", "check_total_slots", "np_limit", "check_np", "check_hosts", "ipv6_problem", "MAX_NP",
-           "RANKS_PER_CORE"]
+           "RANKS_PER_CORE", "MAX_NAME", "shown", "name_problem"]
 
 EXPECTED = "expected 'host slots=N' or 'host:N'"
+# The longest host name DNS allows: a longer "name" is garbage, and would go whole onto mpirun's command line.
+MAX_NAME = 253
+# How much of a bad entry an error quotes: the entry may be a whole file (or a discovery script's output) long.
+SHOWN = 80
 _HOST = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
 _MPICH_LINE = re.compile(rf"({_HOST})(?::([^:\s]*))?")
 _OPENMPI_KEY = re.compile(r"(slots|max_slots|max-slots)=(\S*)")
@@ -36,15 +40,27 @@ class Host:
 
 # --- hostfiles (pure) -------------------------------------------------------
 
+def shown(text):
+    """``text`` quoted for a one-line error, cut to about :data:`SHOWN` characters (pure)."""
+    return repr(text) if len(text) <= SHOWN else f"{text[:SHOWN - 3]!r}..."
+
+
+def name_problem(name):
+    """Why ``name`` is too long to be a host's, in words; None when it is not (pure)."""
+    if len(name) > MAX_NAME:
+        return f"a host name of {len(name):,} characters (at most {MAX_NAME})"
+    return None
+
+
 def _count(text, where, line, what="slots"):
     if not re.fullmatch(r"[0-9]+", text or ""):
-        raise UsageError(f"{where}: {EXPECTED}, got {line!r}")
+        raise UsageError(f"{where}: {EXPECTED}, got {shown(line)}")
     value = int(text)
     if value < 1:
-        raise UsageError(f"{where}: {what} must be at least 1, got {line!r}")
+        raise UsageError(f"{where}: {what} must be at least 1, got {shown(line)}")
     if value > MAX_NP:
         raise UsageError(f"{where}: {what} {value:,} is above ringtrain launch's limit of {MAX_NP:,} per host, "
-                         f"got {line!r}; give the host's real number of slots")
+                         f"got {shown(line)}; give the host's real number of slots")
     return value
 
 
@@ -79,9 +95,15 @@ def ipv6_problem(entry):
             address = ipaddress.IPv6Address(text.split("%", 1)[0])
         except ValueError:
             continue
-        return (f"{text!r} is an IPv6 address, which MPI's host lists cannot carry; give the host by name "
+        return (f"{shown(text)} is an IPv6 address, which MPI's host lists cannot carry; give the host by name "
                 f"(an /etc/hosts line such as '{address} node1' makes one) or by its IPv4 address")
     return None
+
+
+def _check_name(name, where, entry):
+    problem = name_problem(name)
+    if problem is not None:
+        raise UsageError(f"{where}: {problem}, got {shown(entry)}; give the host's name")
 
 
 def _parse_line(line, where):
@@ -93,23 +115,25 @@ def _parse_line(line, where):
     if len(words) == 1:
         match = _MPICH_LINE.fullmatch(words[0])
         if not match:
-            raise UsageError(f"{where}: {EXPECTED}, got {line!r}")
+            raise UsageError(f"{where}: {EXPECTED}, got {shown(line)}")
         name, count = match.groups()
+        _check_name(name, where, line)
         return Host(name, 1 if count is None else _count(count, where, line))
     if not re.fullmatch(_HOST, words[0]):
-        raise UsageError(f"{where}: {EXPECTED}, got {line!r}")
+        raise UsageError(f"{where}: {EXPECTED}, got {shown(line)}")
+    _check_name(words[0], where, line)
     keys = {}
     for word in words[1:]:
         match = _OPENMPI_KEY.fullmatch(word)
         if not match:
-            raise UsageError(f"{where}: {EXPECTED}, got {line!r}")
+            raise UsageError(f"{where}: {EXPECTED}, got {shown(line)}")
         key = match.group(1).replace("-", "_")
         if key in keys:
-            raise UsageError(f"{where}: {key} given twice in {line!r}")
+            raise UsageError(f"{where}: {key} given twice in {shown(line)}")
         keys[key] = _count(match.group(2), where, line, what=key)
     slots = keys.get("slots", 1)
     if keys.get("max_slots", slots) < slots:
-        raise UsageError(f"{where}: max_slots is less than slots in {line!r}")
+        raise UsageError(f"{where}: max_slots is less than slots in {shown(line)}")
     return Host(words[0], slots)
 
 
@@ -188,8 +212,9 @@ def parse_host_list(text):
             raise UsageError(f"-H entry {number}: {v6}")
         match = _MPICH_LINE.fullmatch(item)
         if not match:
-            raise UsageError(f"-H entry {number}: expected 'host:N', got {item!r} (e.g. -H node1:2,node2:2)")
+            raise UsageError(f"-H entry {number}: expected 'host:N', got {shown(item)} (e.g. -H node1:2,node2:2)")
         name, count = match.groups()
+        _check_name(name, f"-H entry {number}", item)
         hosts.append(Host(name, 1 if count is None else _count(count, f"-H entry {number}", item)))
     return check_total_slots(hosts, "-H")
 

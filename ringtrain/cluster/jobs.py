@@ -17,7 +17,7 @@ import time
 
 from ..errors import UsageError
 from . import leftovers, reaper
-from .commits import check_private_directory
+from .commits import check_ancestors, check_private_directory
 from .signals import swapped_handlers
 
 __all__ = ["NO_RESTART_STATUSES", "SIGUSR1_STOP", "exit_status", "should_restart", "restart_line", "gave_up_line",
@@ -511,8 +511,10 @@ def make_logdir(logdir):
 
     Another user's directory, or one others may write, could hold logs and
     exit records planted to blame the wrong rank, or an elastic commit that
-    runs their code: it is refused (:func:`ringtrain.cluster.commits.check_private_directory`).
+    runs their code: it is refused (:func:`ringtrain.cluster.commits.check_private_directory`), and so is
+    one under a directory they may write, where they could swap it; nothing is made under such a directory.
     """
+    check_ancestors(logdir, "-o")
     try:
         os.makedirs(logdir, mode=0o700, exist_ok=True)
     except OSError as exc:

@@ -31,10 +31,10 @@ import tempfile
 from ..environment import env_int
 from ..errors import UsageError
 from ..io.safeio import printable
-from .commits import check_private_directory
+from .commits import check_ancestors, check_private_directory
 from .hostfiles import check_hosts, check_np, format_hostfile, parse_host_list, read_hostfile
 from .jobs import MIN_LOG_SPACE, format_command, free_bytes, make_logdir, report_success, run_with_restarts
-from .slurm import allocation_hosts, allocation_tasks, step_tasks
+from .slurm import allocation_hosts, allocation_tasks, job_id, step_tasks
 
 __all__ = [
     "RANK_VARIABLES",
@@ -264,6 +264,9 @@ def check_request(np, command, hostfile=None, host_list=None, env=None):
     env = os.environ if env is None else env
     if not command:
         raise UsageError("no command given; put it after '--', e.g. ringtrain launch -np 2 -- ringtrain info")
+    if not command[0].strip():  # no program has a blank name: mpiexec would fail each rank (or --dry-run show it)
+        raise UsageError(f"the command after '--' is {command[0]!r}, an empty program name; give the program to "
+                         "run, e.g. ringtrain launch -np 2 -- ringtrain info")
     if hostfile and host_list:
         raise UsageError("give --hostfile or -H, not both")
     _check_one_copy(env)
@@ -326,8 +329,22 @@ def slurm_request(np, hostfile, host_list, env):
         if np is None and hosts:
             raise UsageError(_no_task_count(env, hosts))
         if np is None:
-            raise UsageError("-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)")
+            raise UsageError(_no_np(env, hostfile or host_list))
     return np, hosts
+
+
+def _no_np(env, hosts_given):
+    """Why ``-np`` is needed, true to what the environment holds, and the fix (pure)."""
+    job = job_id(env)
+    if job is None:
+        return "-np N is required outside a Slurm allocation (inside one it defaults to SLURM_NTASKS)"
+    if hosts_given:
+        return (f"-np N is required with --hostfile or -H, inside Slurm job {job} too: SLURM_NTASKS counts the "
+                "ranks only on the allocation's own hosts")
+    return (f"SLURM_JOB_ID={job} is set but neither SLURM_JOB_NODELIST nor SLURM_NODELIST is, so the allocation's "
+            "hosts and task count are unknown; give -np N (and --hostfile or -H for other hosts), run it inside "
+            "the allocation (its batch script or salloc shell, where Slurm sets SLURM_JOB_NODELIST), or unset "
+            "SLURM_JOB_ID if it is left over")
 
 
 def _no_task_count(env, hosts):
@@ -365,6 +382,8 @@ def check_logdir(logdir):
         raise UsageError(f"-o {logdir}: exists and is not a directory; choose another log directory")
     if os.path.lexists(logdir):
         check_private_directory(logdir, "-o")
+    else:
+        check_ancestors(logdir, "-o")
     parent = logdir
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import ringtrain, run, show
+from mpirun import mpirun, ringtrain, run, show
 from mpirun import test_env as job_env
 from ringtrain.io.checkpoint import save_checkpoint
 
@@ -104,6 +104,77 @@ def test_a_log_directory_others_may_write_is_refused_and_nothing_written(tmp_pat
     assert contents(logs) == []
 
 
+# --- directories another user could swap: under one they own, or may write ------------------------
+
+def shared_parent(tmp_path, mode=0o777, owner=None):
+    """A directory as another user could leave it: ``mode`` (chmod, so the umask does not trim it), ``owner``'s."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    if owner is not None:
+        os.chown(shared, owner, owner)
+    return shared
+
+
+@pytest.mark.parametrize("elastic_flags", [[], ["--min-np", "1"]])
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+@pytest.mark.parametrize("made", [False, True])
+def test_a_log_directory_under_one_others_may_write_is_refused_and_nothing_written(tmp_path, elastic_flags,
+                                                                                   dry_run, made):
+    # The launcher's own 0700 directory is no help there: another user renames it away and puts theirs in its place.
+    shared = shared_parent(tmp_path)
+    logs = shared / "sub"
+    if made:
+        logs.mkdir(mode=0o700)
+    result = run(ringtrain("launch", "-np", "1", *elastic_flags, *dry_run, "-o", str(logs), "--", "true"),
+                 timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    assert f"-o {logs}: is under {shared}, which its group and others may write and which is not sticky " \
+           "(mode 0777)" in result.stderr, show(result)
+    assert "Traceback" not in result.stderr and contents(shared) == (["sub"] if made else []), show(result)
+    assert not made or contents(logs) == []
+
+
+@needs_root
+def test_a_log_directory_under_one_another_user_owns_is_refused(tmp_path):
+    shared = shared_parent(tmp_path, mode=0o755, owner=NOBODY)
+    result = run(ringtrain("launch", "-np", "1", "-o", str(shared / "sub"), "--", "true"), timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    assert f"is under {shared}, which nobody (uid {NOBODY}) owns, not you or root" in result.stderr, show(result)
+    assert contents(shared) == []
+
+
+def test_a_log_directory_under_a_sticky_one_is_taken(tmp_path):
+    # As /tmp: others may make entries there, but only an entry's owner may rename it.
+    shared = shared_parent(tmp_path, mode=0o1777)
+    result = run(ringtrain("launch", "-np", "1", "-o", str(shared / "sub"), "--", "true"), timeout=60)
+    assert result.returncode == 0, show(result)
+    assert oct(os.stat(shared / "sub").st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_an_elastic_directory_under_one_others_may_write_is_refused_and_nothing_written(tmp_path, made):
+    shared = shared_parent(tmp_path, mode=0o775)
+    directory = shared / "elastic"
+    if made:
+        directory.mkdir(mode=0o700)
+    result = run(elastic(), timeout=60, env=job_env(RINGTRAIN_ELASTIC_DIR=str(directory)))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    assert f"RINGTRAIN_ELASTIC_DIR {directory}: is under {shared}, which its group may write and which is not " \
+           "sticky (mode 0775)" in result.stderr, show(result)
+    assert contents(shared) == (["elastic"] if made else []) and (not made or contents(directory) == [])
+
+
+def test_an_elastic_directory_reached_through_a_link_in_a_shared_directory_is_refused(tmp_path):
+    # The link is the user's, but whoever may write where it lies may point it elsewhere.
+    shared, mine = shared_parent(tmp_path), tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    os.symlink(mine, shared / "elastic")
+    result = run(elastic(), timeout=60, env=job_env(RINGTRAIN_ELASTIC_DIR=str(shared / "elastic")))
+    assert result.returncode == 2 and f"is under {shared}, which" in result.stderr, show(result)
+    assert contents(mine) == []
+
+
 def test_a_log_directory_the_launch_makes_is_private(tmp_path):
     logs = tmp_path / "logs"
     result = run(ringtrain("launch", "-np", "1", "-o", str(logs), "--", "true"), timeout=60)
@@ -154,6 +225,24 @@ def test_a_planted_commit_is_never_unpickled_and_the_job_starts_afresh(tmp_path,
     warned = [line for line in result.stderr.splitlines() if planted in line]
     assert len(warned) == 1 and "was not written by this directory's launches" in warned[0], show(result)
     assert "not restored, never unpickled" in warned[0], show(result)
+    # The launcher checks as rank 0 does: a file named like a commit is no promise of a resume.
+    assert "earlier launch" not in result.stderr and "resumes from it" not in result.stderr, show(result)
+
+
+@needs_torch
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_refused_elastic_directory_under_plain_mpirun_is_named_not_a_resume(tmp_path, ranks):
+    # No launcher checked it first, and there is no commit: the job says what is wrong with the directory.
+    directory = tmp_path / "elastic"
+    directory.mkdir()
+    os.chmod(directory, 0o777)
+    result = mpirun(ranks, python_program(), timeout=120, env=job_env(RINGTRAIN_ELASTIC_DIR=str(directory)))
+    assert result.returncode == 2, show(result)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, show(result)
+    assert f"error: RINGTRAIN_ELASTIC_DIR {directory}: is writable by its group and others (mode 0777)" \
+        in errors[0], show(result)
+    assert "cannot resume" not in result.stderr and contents(directory) == [], show(result)
 
 
 @needs_torch
@@ -167,4 +256,7 @@ def test_a_commit_signed_with_the_directory_key_is_restored(tmp_path):
     again = run(elastic(program=python_program()), timeout=120, env=job_env(RINGTRAIN_ELASTIC_DIR=str(directory)))
     assert again.returncode == 0 and "started at the end, ended at 3" in again.stdout, show(again)
     assert "resuming from the end of the run" in again.stderr and "not restored" not in again.stderr, show(again)
+    said = [line for line in again.stderr.splitlines() if "of an earlier launch" in line]
+    assert len(said) == 1 and f"{directory} holds commit " in said[0], show(again)
+    assert said[0].endswith("signed with its key: the job resumes from it"), show(again)
     assert hashlib.sha256(key).digest() == hashlib.sha256((directory / "commit.key").read_bytes()).digest()

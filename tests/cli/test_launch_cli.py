@@ -3,7 +3,10 @@
 import os
 import sys
 
+import pytest
+
 from mpirun import ringtrain, run, show
+from mpirun import test_env as job_env
 
 # One write per line: unbuffered print() writes its pieces separately, and
 # ranks sharing mpirun's stdout would interleave them.
@@ -93,3 +96,64 @@ def test_bad_inputs_are_one_line_exit_2_never_a_traceback_or_a_hang(tmp_path):
         assert result.returncode == 2, show(result)
         assert result.stderr.startswith(f"ringtrain: error: {message}"), show(result)
         assert len(result.stderr.splitlines()) == 1 and result.stdout == "", show(result)
+
+
+@pytest.mark.parametrize("program", ["", "  "])
+@pytest.mark.parametrize("flags", [["--dry-run"], [], ["--dry-run", "-H", "localhost:1"],
+                                   ["--dry-run", "--min-np", "1"], ["--min-np", "1"]])
+def test_an_empty_program_name_is_refused_in_one_line_dry_run_too(tmp_path, program, flags):
+    logs = tmp_path / "logs"
+    result = run(ringtrain("launch", "-np", "1", *flags, "-o", str(logs), "--", program, "x"), timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    assert f"the command after '--' is {program!r}, an empty program name" in result.stderr, show(result)
+    assert result.stdout == "" and not logs.exists(), show(result)
+
+
+def without_slurm(**extra):
+    """The test environment with no Slurm variable but ``extra``: as a job script's leftover might set it."""
+    env = {k: v for k, v in job_env().items() if not k.startswith("SLURM_")}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_slurm_job_id_without_its_node_list_is_named_not_called_outside_an_allocation(dry_run):
+    result = run(ringtrain("launch", *dry_run, "--", "true"), timeout=60, env=without_slurm(SLURM_JOB_ID="7"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    line = result.stderr.strip()
+    assert "outside a Slurm allocation" not in line, show(result)
+    for words in ("SLURM_JOB_ID=7 is set but neither SLURM_JOB_NODELIST nor SLURM_NODELIST is", "give -np N",
+                  "unset SLURM_JOB_ID"):
+        assert words in line, show(result)
+    with_hosts = run(ringtrain("launch", *dry_run, "-H", "localhost:1", "--", "true"), timeout=60,
+                     env=without_slurm(SLURM_JOB_ID="7"))
+    assert with_hosts.returncode == 2 and "-np N is required with --hostfile or -H, inside Slurm job 7 too" \
+        in with_hosts.stderr, show(with_hosts)
+    outside = run(ringtrain("launch", *dry_run, "--", "true"), timeout=60, env=without_slurm())
+    assert outside.returncode == 2 and "-np N is required outside a Slurm allocation" in outside.stderr, show(outside)
+
+
+LONG_NAME = "n" * 254  # one past the longest name DNS allows
+
+
+@pytest.mark.parametrize("elastic", [[], ["--min-np", "1"]])
+@pytest.mark.parametrize("source, entry, said", [
+    ("-H", "node1:" + "x" * 5000, "-H entry 1: expected 'host slots=N' or 'host:N', got 'node1:xxx"),
+    ("-H", LONG_NAME + ":1", "-H entry 1: a host name of 254 characters (at most 253), got 'nnn"),
+    ("-H", LONG_NAME, "-H entry 1: a host name of 254 characters (at most 253)"),
+    ("hostfile", "node1 slots=" + "x" * 5000, "hostfile line 1: expected 'host slots=N' or 'host:N', got 'node1 slot"),
+    ("hostfile", LONG_NAME + " slots=1", "hostfile line 1: a host name of 254 characters (at most 253)"),
+    ("hostfile", LONG_NAME + ":2", "hostfile line 1: a host name of 254 characters (at most 253)"),
+])
+def test_hosts_entries_are_quoted_short_and_names_past_253_characters_refused(tmp_path, elastic, source, entry,
+                                                                             said):
+    if source == "hostfile":
+        (tmp_path / "hosts").write_text(entry + "\n")
+        hosts = ["--hostfile", str(tmp_path / "hosts")]
+    else:
+        hosts = ["-H", entry]
+    result = run(ringtrain("launch", "-np", "1", *elastic, "--dry-run", *hosts, "--", "true"), timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
+    line = result.stderr.strip()
+    assert said in line and len(line) < 400, show(result)
+    assert "x" * 100 not in line and "n" * 100 not in line, show(result)

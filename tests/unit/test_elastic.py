@@ -468,6 +468,22 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     assert C.directory_problem(str(tmp_path)) is None
 
 
+@pytest.mark.parametrize("mode, refused", [(0o777, True), (0o775, True), (0o1777, False), (0o755, False)])
+def test_a_directory_under_one_others_may_write_is_refused_unless_sticky(tmp_path, mode, refused):
+    shared = tmp_path / "shared"
+    (shared / "a" / "b").mkdir(parents=True, mode=0o700)
+    os.chmod(shared, mode)
+    problem = C.directory_problem(str(shared / "a" / "b"))
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert problem.startswith(f"is under {shared}, which its group") and "not sticky" in problem
+        with pytest.raises(UsageError, match="could put a directory of theirs in its place"):
+            C.CommitStore(str(shared / "a" / "b")).write(1, {}, size=1)
+        with pytest.raises(UsageError, match=f"is under {shared}"):
+            C.make_private_directory(str(shared / "new"), "-o")
+        assert not (shared / "new").exists()
+
+
 def test_the_commit_store_works_without_torch(tmp_path):
     # Every framework's hvd.elastic uses it: torch blocked, a commit still round-trips (signed and verified).
     code = ("import sys; sys.modules['torch'] = None\n"

@@ -40,6 +40,7 @@ import functools
 import pickle
 import sys
 
+from ...io.checkpoint import CheckpointError
 from ...io.safeio import printable
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from ..runtime import current, rank, size
@@ -119,6 +120,10 @@ def _resume(state, store):
                 header = {"finished": snapshot["finished"], "result": snapshot["result"], "sequence": sequence,
                           "then": meta.get("size")}
             store.listen()
+        except CheckpointError as exc:  # a commit there that cannot be restored
+            problem = f"cannot resume from the last commit in {store.commits}: {exc}"
+        except UsageError as exc:  # the directory or its key refused: that, not a commit, is what is wrong
+            problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             problem = f"cannot resume from the last commit in {store.commits}: {exc}"
     header, problem = state._bcast_object((header, problem))
