@@ -356,7 +356,8 @@ LIBRARY_SCRIPT = (
     "config = ringtrain.TrainConfig(dataset='synthetic', samples=100, features=4, classes=3, hidden=(4,), epochs=1,\n"
     "                               run_dir='lib', progress=False)\n"
     "try:\n    ringtrain.train(config)\nexcept ringtrain.UsageError as exc:  # as a program's main would\n"
-    "    print(f'refused: {exc}', flush=True)\n    sys.exit(2)\n")
+    "    sys.stdout.write(f'refused: {exc}\\n')  # one write: print's two may interleave with the other rank's\n"
+    "    sys.stdout.flush()\n    sys.exit(2)\n")
 
 
 def test_the_library_refuses_a_bad_value_on_every_rank_before_writing(tmp_path):

@@ -88,6 +88,9 @@ def test_python_block_runs_as_pasted(page, line, fence, tmp_path):
         return
     if "import torch" in fence.code and importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (pip install torch==2.13.0, or the [torch] extra)")
+    if re.search(r"^\s*(import|from) (tensorflow|keras|ringtrain\.(tensorflow|keras))\b", fence.code, re.M) \
+            and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0, or the [tensorflow] extra)")
     if fence.marker:
         words = shlex.split(fence.marker)
         assert words[0] == "ringtrain", f"{where}: the setup must be a ringtrain command"
