@@ -39,6 +39,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from ..engine import runtime as _runtime
+
 from . import collectives as engine
 from .collectives import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, add_process_set, cross_rank,
                           cross_size, global_process_set, init, is_homogeneous, is_initialized, local_rank,
@@ -468,24 +470,9 @@ def gloo_enabled():
     return False
 
 
-def gloo_built(verbose=False):
-    """False: there is no Gloo controller."""
-    return False
-
-
-def nccl_built(verbose=False):
-    """0: NCCL is never used."""
-    return 0
-
-
-def ddl_built(verbose=False):
-    """False."""
-    return False
-
-
-def ccl_built(verbose=False):
-    """False."""
-    return False
+# The build flags that do not depend on the face are the engine's own (one answer for every face).
+gloo_built, nccl_built, ddl_built, ccl_built = (_runtime.gloo_built, _runtime.nccl_built, _runtime.ddl_built,
+                                                _runtime.ccl_built)
 
 
 def cuda_built(verbose=False):
