@@ -118,9 +118,22 @@ class Channel:
                 pending.wait(0.002)
                 continue
             try:
-                self._drive_until(pending.done)
+                alone = self._alone(pending)
+                if alone is None or not self.protocol.run_alone(alone, SPIN_S):
+                    self._drive_until(pending.done)
             finally:
                 self._release_driver()
+
+    def _alone(self, pending):
+        """The entry of ``pending`` taken off the queue if it is the only op and may run alone, else None."""
+        queue = self._queue
+        if len(queue) != 1 or queue[0].pending is not pending or self._closing is not None or self.closed is not None \
+                or not self.protocol.can_run_alone(queue[0]):
+            return None
+        with self._lock:
+            if len(self._queue) != 1:  # another thread submitted meanwhile
+                return None
+            return self._queue.pop()
 
     def close(self, reason, handshake=False):
         """Stop taking ops: those not run yet fail with ``reason`` on every member (any thread; returns at once).

@@ -120,7 +120,12 @@ def _reduce_in_numpy(record, numpy_dtype, inputs, out):
     total = out.reshape(-1)
     parts = []
     for i, x in enumerate(inputs):
-        a = total if x is out else _input(x, record.dtype)
+        if x is out:
+            a = total
+        elif type(x) is bytes:
+            a = np.frombuffer(x, numpy_dtype)
+        else:
+            a = x.reshape(-1)
         # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
         parts.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
     n = len(parts)

@@ -135,6 +135,7 @@ def _reduction(kind, array, dtype, op, prescale_factor, postscale_factor):
                                    float(postscale_factor), _device(array))
         if len(_RECORDS) > 4096:  # a program of ever-new shapes must not grow this without bound
             _RECORDS.clear()
+            _HOST_RECORDS.clear()
         _RECORDS[key] = record
     return record
 
@@ -177,12 +178,19 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
         # The common op, repeated step after step: a host allreduce of the global set whose record this
         # process has built before (so an array like this one passed every check then). Only the building
         # is skipped: the op is announced, matched, bounded and failed as every other.
-        record = _RECORDS.get(("allreduce", array.dtype.name, array.shape, op, prescale_factor, postscale_factor,
-                               False))
+        key = (array.dtype, array.shape, op, prescale_factor, postscale_factor)
+        record = _HOST_RECORDS.get(key)
+        if record is None:
+            record = _RECORDS.get(("allreduce", array.dtype.name, *key[1:], False))
+            if record is not None:
+                _HOST_RECORDS[key] = record
         if record is not None:
             return _submit_host(record, name, (array, out), finish)
     one = _allreduce_one(op, prescale_factor, postscale_factor)
     return submit("allreduce", name, process_set, lambda: one(array, out, dtype), finish)
+
+
+_HOST_RECORDS = {}  # _RECORDS' host allreduces by the array's dtype itself (its name is slow to read)
 
 
 def _submit_host(record, name, args, finish):

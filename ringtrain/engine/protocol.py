@@ -44,6 +44,7 @@ __all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
 RUN = "run"
+_NONE = (None, None)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 
@@ -114,6 +115,7 @@ class Protocol:
         self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
         self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
+        self._matched = {}                     # (rank, record id) -> (its record, the equal one of this rank)
         self._next_record_id = 0
         self._records = {}                     # rank -> {id: record}
         self._leader_closed = None
@@ -238,18 +240,100 @@ class Protocol:
                 return moved
             moved = True
             kind, body = message.recv()
-            if kind == "a":
-                self._heard(*body, now)
-                if done is not None and done():
-                    return True
-            elif kind == "d":
-                self._batch += 1
-                self._ordered.extend((self._batch, *order) for order in body)
-            elif kind == "k":  # a member's answer to the leader's word that the set is closed
-                self._acks.add(body)
-            else:  # the leader has closed the set: so must this member
-                self._leader_closed = body
-                self.channel.close(body)
+            self._act(kind, body, now)
+            if kind == "a" and done is not None and done():
+                return True
+
+    def _act(self, kind, body, now):
+        """Act on one message from a member."""
+        if kind == "a":
+            self._heard(*body, now)
+        elif kind == "d":
+            self._batch += 1
+            self._ordered.extend((self._batch, *order) for order in body)
+        elif kind == "k":  # a member's answer to the leader's word that the set is closed
+            self._acks.add(body)
+        else:  # the leader has closed the set: so must this member
+            self._leader_closed = body
+            self.channel.close(body)
+
+    # The common case on its own.
+
+    def can_run_alone(self, entry):
+        """Whether ``entry``, the only op queued, may take :meth:`run_alone`: a small allreduce on an idle set."""
+        return (entry.local and entry.kind == "allreduce" and self._others and not self._mine and not self._ordered
+                and not self._to_order and not self._answers and not self._failed_joined and not len(self._board)
+                and self.engine.timeline is None and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record)
+
+    def run_alone(self, entry, patience):
+        """Announce ``entry`` and compute it from the members' announcements, skipping the board: True when done.
+
+        The same messages as :meth:`step`'s, so the members need not know
+        which way a rank took: what is skipped is this rank's bookkeeping
+        for the common case of a loop of blocking small allreduces, each
+        matched by every member's announcement of the same record within
+        ``patience`` seconds. Anything else (another message, another
+        record, a late member) returns False with the op and every message
+        read put where :meth:`step` would have put them, and the general
+        path goes on from there: errors, stalls and bounds are its.
+        """
+        key, record = entry.key, entry.record
+        data = kernels.raw_bytes(entry.args[0])
+        self._send_all(("a", (self.rank, [(key, self._record_ids[id(record)][1], None, None, data)])))
+        got, read, start = {}, [], time.monotonic()
+        while True:
+            message = self.control.improbe(self._any_source, TAG)
+            if message is None:
+                if time.monotonic() - start > patience:
+                    break
+                continue
+            kind, body = message.recv()
+            read.append((kind, body))
+            theirs = self._matching(kind, body, key, record)
+            if theirs is None or body[0] in got:
+                break
+            got[body[0]] = theirs
+            if len(got) == len(self._others):
+                got[self.rank] = entry.args[0]
+                try:
+                    result = kernels.run_local(record, [got[r] for r in self.ranks], entry.args[1])
+                except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+                    self._complete(entry, error=_as_runtime_error(exc))
+                else:
+                    self._complete(entry, result)
+                if self._sends:
+                    self._sends = [r for r in self._sends if not r.Test()]
+                return True
+        self._join_general(entry, read)
+        return False
+
+    def _matching(self, kind, body, key, record):
+        """A member's data for op ``key`` if ``(kind, body)`` announces just that op with ``record``, else None."""
+        if kind != "a" or len(body[1]) != 1:
+            return None
+        theirs, record_id, sent, info, data = body[1][0]
+        if theirs != key or sent is not None or info is not None or data is None:
+            return None
+        known = self._records.get(body[0], {}).get(record_id)
+        if known is record:
+            return data
+        kept = self._matched.get((body[0], record_id))
+        if kept is not None and kept[0] is known and kept[1] is record:
+            return data
+        if known is None or known != record:
+            return None
+        if len(self._matched) >= 4096:
+            self._matched.clear()
+        self._matched[(body[0], record_id)] = (known, record)  # both kept alive: their ids are not reused
+        return data
+
+    def _join_general(self, entry, read):
+        """``entry``, announced by :meth:`run_alone`, and the messages it read, where :meth:`step` puts them."""
+        now = time.monotonic()
+        self._mine[entry.key] = entry
+        self._board.add(self.rank, entry.key, Announcement(entry.record, None, entry.args[0]), now)
+        for kind, body in read:
+            self._act(kind, body, now)
 
     def _heard(self, rank, items, now):
         records = self._records.setdefault(rank, {})

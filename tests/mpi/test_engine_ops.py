@@ -8,6 +8,8 @@ is compared exactly with what MPI's allgather of everyone's data gives,
 reduced with NumPy. Values are small integers, so sums are exact.
 """
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -103,3 +105,36 @@ def test_ranks_that_disagree_all_get_a_mismatch_error():
         pytest.skip("one rank cannot disagree with itself")
     with pytest.raises(engine.CollectiveMismatchError, match="shape"):
         engine.synchronize(engine.allreduce_async(a, name="bad"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("late", [0.0, 0.2])
+def test_a_loop_of_small_blocking_ops_matches_mpi_whoever_is_late(late):
+    # A blocking small allreduce on an idle set runs alone (Protocol.run_alone); a member late now and then
+    # (``late``: the share of steps a rank sleeps first) sends the others down the general path mid-loop,
+    # with its announcement and theirs already sent. Every result must still be MPI's, on every rank.
+    rng = np.random.default_rng(RANK)
+    inputs = [_values((16, 4), step * SIZE + RANK) for step in range(200)]
+    results = []
+    for step, a in enumerate(inputs):
+        if rng.random() < late:
+            time.sleep(rng.uniform(0, 0.002))
+        results.append(engine.synchronize(engine.allreduce_async(a.copy(), name=f"loop{step % 3}", op=engine.Sum)))
+    everyone = COMM.allgather(inputs)
+    for step, result in enumerate(results):
+        np.testing.assert_array_equal(result, np.sum([e[step] for e in everyone], 0), err_msg=f"step {step}")
+
+
+@pytest.mark.mpi
+def test_a_record_that_changes_after_a_warm_loop_is_a_mismatch_on_every_rank():
+    # After a loop every rank runs alone, the ranks' records are cached: a rank whose next op differs
+    # (its prescale factor here) must still fail the op on every rank, as the general path fails it.
+    if SIZE == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    a = np.ones(8, np.float32)
+    for _ in range(50):
+        engine.synchronize(engine.allreduce_async(a, name="warm", out=a))
+    factor = 2.0 if RANK == SIZE - 1 else 1.0
+    with pytest.raises(engine.CollectiveMismatchError, match="ranks submitted different"):
+        engine.synchronize(engine.allreduce_async(a, name="warm", out=a, prescale_factor=factor))
+    np.testing.assert_array_equal(engine.synchronize(engine.allreduce_async(a, name="warm", out=a)), 1.0)
