@@ -119,7 +119,7 @@ class Channel:
                 continue
             try:
                 alone = self._alone(pending)
-                if alone is None or not self.protocol.run_alone(alone, SPIN_S):
+                if alone is None or not self.protocol.run_alone(alone, SPIN_S, YIELD_S):
                     self._drive_until(pending.done)
             finally:
                 self._release_driver()

@@ -122,10 +122,10 @@ def _reduce_in_numpy(record, numpy_dtype, inputs, out):
     for i, x in enumerate(inputs):
         if x is out:
             a = total
-        elif type(x) is bytes:
-            a = np.frombuffer(x, numpy_dtype)
-        else:
+        elif isinstance(x, np.ndarray):
             a = x.reshape(-1)
+        else:  # a member's raw bytes
+            a = np.frombuffer(x, numpy_dtype)
         # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
         parts.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
     n = len(parts)

@@ -8,10 +8,11 @@ of its own: ``control`` for the messages below, ``data`` for the
 collectives themselves. So a set's ops complete as soon as its members have
 submitted them, whatever ranks outside the set are doing.
 
-The messages (:mod:`ringtrain.engine.negotiation` holds the rules; one tag,
-and MPI keeps each sender's messages in order)::
+The messages (:mod:`ringtrain.engine.negotiation` holds the rules; read
+with any tag, so MPI keeps each sender's messages in order)::
 
     every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]))
+                                   or one small allreduce's, raw (ALONE_TAG: rank, record id, key, data)
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
                                                                                  (FAIL: (mismatch, why))
     leader -> every member         ("c", reason)                                closed: fail the rest
@@ -30,6 +31,8 @@ bytes per member (Horovod's response cache does the same with a bit).
 """
 
 import collections
+import os
+import struct
 import sys
 import time
 import typing
@@ -43,6 +46,8 @@ from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Groupe
 __all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
+ALONE_TAG = 8       # an announcement sent alone (Protocol.run_alone), raw: _ALONE's fields, the key, the data
+_ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 RUN = "run"
 _NONE = (None, None)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
@@ -104,7 +109,8 @@ class Protocol:
         self.is_leader = self.rank == self.leader
         self._others = [r for r in self.ranks if r != self.rank]
         self._index = {r: i for i, r in enumerate(self.ranks)}
-        self._any_source = MPI.ANY_SOURCE
+        self._any_source, self._any_tag, self._byte = MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.BYTE
+        self._status = MPI.Status()
         self._mine = {}                        # key -> this rank's entry, announced, not yet run
         self._board = Board(self.ranks)
         self._ordered = collections.deque()    # (batch, key, RUN or FAIL, payload): the leader's order
@@ -235,14 +241,28 @@ class Protocol:
         the rest wait for the next step, and the caller goes back to its program one MPI call sooner)."""
         moved = False
         while True:
-            message = self.control.improbe(self._any_source, TAG)
+            message = self._next_message()
             if message is None:
                 return moved
             moved = True
-            kind, body = message.recv()
+            kind, body = message
             self._act(kind, body, now)
             if kind == "a" and done is not None and done():
                 return True
+
+    def _next_message(self):
+        """The next message a member sent as ``(kind, body)``, or None; one announced alone comes raw."""
+        status = self._status
+        message = self.control.improbe(self._any_source, self._any_tag, status)
+        if message is None:
+            return None
+        if status.Get_tag() != ALONE_TAG:
+            return message.recv()
+        raw = bytearray(status.Get_count(self._byte))
+        message.Recv([raw, self._byte])
+        rank, record_id, length = _ALONE.unpack_from(raw)
+        start = _ALONE.size + length
+        return "a", (rank, [(raw[_ALONE.size:start].decode(), record_id, None, None, memoryview(raw)[start:])])
 
     def _act(self, kind, body, now):
         """Act on one message from a member."""
@@ -265,30 +285,34 @@ class Protocol:
                 and not self._to_order and not self._answers and not self._failed_joined and not len(self._board)
                 and self.engine.timeline is None and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record)
 
-    def run_alone(self, entry, patience):
+    def run_alone(self, entry, spin, patience):
         """Announce ``entry`` and compute it from the members' announcements, skipping the board: True when done.
 
-        The same messages as :meth:`step`'s, so the members need not know
+        The same announcement as :meth:`step` makes (sent raw, which any
+        member's :meth:`_next_message` reads), so the members need not know
         which way a rank took: what is skipped is this rank's bookkeeping
         for the common case of a loop of blocking small allreduces, each
         matched by every member's announcement of the same record within
-        ``patience`` seconds. Anything else (another message, another
+        ``patience`` seconds (spinning for the first ``spin``, then yielding
+        the core between looks). Anything else (another message, another
         record, a late member) returns False with the op and every message
         read put where :meth:`step` would have put them, and the general
         path goes on from there: errors, stalls and bounds are its.
         """
         key, record = entry.key, entry.record
-        data = kernels.raw_bytes(entry.args[0])
-        self._send_all(("a", (self.rank, [(key, self._record_ids[id(record)][1], None, None, data)])))
+        self._send_alone(key, self._record_ids[id(record)][1], kernels.raw_bytes(entry.args[0]))
         got, read, start = {}, [], time.monotonic()
         while True:
-            message = self.control.improbe(self._any_source, TAG)
+            message = self._next_message()
             if message is None:
-                if time.monotonic() - start > patience:
+                waited = time.monotonic() - start
+                if waited > patience:
                     break
+                if waited > spin:  # (as the general path's driver does: a late peer may need this core)
+                    os.sched_yield()
                 continue
-            kind, body = message.recv()
-            read.append((kind, body))
+            read.append(message)
+            kind, body = message
             theirs = self._matching(kind, body, key, record)
             if theirs is None or body[0] in got:
                 break
@@ -306,6 +330,15 @@ class Protocol:
                 return True
         self._join_general(entry, read)
         return False
+
+    def _send_alone(self, key, record_id, data):
+        """Announce one small op to every member as :meth:`_announce` would, raw (no pickling: half the cost)."""
+        name = key.encode()
+        raw = b"".join((_ALONE.pack(self.rank, record_id, len(name)), name, data))
+        for r in self._others:
+            request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
+            if not request.Test():
+                self._sends.append(request)
 
     def _matching(self, kind, body, key, record):
         """A member's data for op ``key`` if ``(kind, body)`` announces just that op with ``record``, else None."""
