@@ -68,6 +68,7 @@ from ..environment import env_int
 from ..engine import process_sets as scope
 from ..engine import runtime
 from .buckets import GradientBuckets, match_problem, wire_dtype
+from ..engine.compression import Compressor, NoneCompressor, compression_namespace, fp16_compressor
 from ..engine.errors import CollectiveMismatchError
 from .functions import allgather_object
 from ..engine.reduce_ops import Average, Max, Min, Sum, op_name
@@ -86,55 +87,9 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
-class Compressor:
-    """The interface: compress before the reduction, decompress after it."""
-
-    @staticmethod
-    def compress(tensor):
-        """Return ``(compressed tensor, context for decompress)``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        """Return the tensor ``compress`` was given, as well as the wire allows."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """No compression: the tensor travels as it is."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
-    """Floating-point tensors travel as float16 (half the bytes); other dtypes as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        dtype = tensor.dtype
-        if dtype.is_floating_point:
-            tensor = tensor.type(torch.float16)
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        dtype = ctx
-        if dtype.is_floating_point and tensor.dtype != dtype:
-            tensor = tensor.type(dtype)
-        return tensor
-
-
-class Compression:
-    """The compressors by name: ``Compression.none`` and ``Compression.fp16``."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
+FP16Compressor = fp16_compressor(lambda dtype: dtype.is_floating_point, lambda tensor, dtype: tensor.type(dtype),
+                                 torch.float16, __name__)
+Compression = compression_namespace(FP16Compressor, __name__)
 
 
 class _DistributedOptimizer:

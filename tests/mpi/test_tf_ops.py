@@ -73,6 +73,11 @@ def test_allreduce_every_op_and_dtype_matches_numpy(mode):
                    tf.constant(np.full(5, r, np.float32)), tf.constant(np.full((2, 2), 1, np.int32)))
     np.testing.assert_array_equal(grouped[0], np.full(5, sum(range(n)), np.float32))
     np.testing.assert_array_equal(grouped[1], np.full((2, 2), n, np.int32))
+    # fp16 compression: float32 travels as float16 (small integers: exact) and comes back float32; int32 as it is.
+    for x in (_data((3, 4), np.float32, r), _data((3, 4), np.int32, r)):
+        got = _run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16), tf.constant(x))
+        assert got.dtype == x.dtype
+        np.testing.assert_array_equal(got, _everyone(x).sum(0).astype(x.dtype), err_msg=f"fp16 {x.dtype}")
 
 
 @pytest.mark.mpi
