@@ -47,6 +47,7 @@ __all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
 ALONE_TAG = 8       # an announcement sent alone (Protocol.run_alone), raw: _ALONE's fields, the key, the data
+                    # (from the next multiple of 8 bytes)
 _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 RUN = "run"
 _NONE = (None, None)
@@ -261,8 +262,8 @@ class Protocol:
         raw = bytearray(status.Get_count(self._byte))
         message.Recv([raw, self._byte])
         rank, record_id, length = _ALONE.unpack_from(raw)
-        start = _ALONE.size + length
-        return "a", (rank, [(raw[_ALONE.size:start].decode(), record_id, None, None, memoryview(raw)[start:])])
+        end = _ALONE.size + length
+        return "a", (rank, [(raw[_ALONE.size:end].decode(), record_id, None, None, memoryview(raw)[_aligned(end):])])
 
     def _act(self, kind, body, now):
         """Act on one message from a member."""
@@ -334,7 +335,8 @@ class Protocol:
     def _send_alone(self, key, record_id, data):
         """Announce one small op to every member as :meth:`_announce` would, raw (no pickling: half the cost)."""
         name = key.encode()
-        raw = b"".join((_ALONE.pack(self.rank, record_id, len(name)), name, data))
+        padding = bytes(_aligned(_ALONE.size + len(name)) - _ALONE.size - len(name))
+        raw = b"".join((_ALONE.pack(self.rank, record_id, len(name)), name, padding, data))
         for r in self._others:
             request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
             if not request.Test():
@@ -650,6 +652,11 @@ class Protocol:
             late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
             self.engine.stall_shutdown(f"process set {self.set_id} stalled: rank(s) {late} kept an op waiting "
                                        f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
+
+
+def _aligned(offset):
+    """Where a raw announcement's data starts after ``offset`` bytes: a multiple of 8, so its view is aligned."""
+    return -(-offset // 8) * 8
 
 
 def _label_of(key):
