@@ -27,7 +27,8 @@ Contestants, each a fresh launch of this script:
   over TensorFlow's collective ring (gRPC on the CPU).
 
 Both pin TensorFlow to one intra-op and two inter-op threads per process
-(two processes on the two cores of the machine this was written on). In each
+(two processes on the two cores of the machine this was written on;
+``--threads N`` sets the intra-op threads, 0 leaves TensorFlow's defaults). In each
 process a callback notes the time (and the process's CPU time, whose
 share of the time is printed: how many cores it kept busy) at the end of
 every step; after WARMUP
@@ -105,12 +106,13 @@ def _compile(model, keras, optimizer):
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
-def worker(contestant, kind, warmup, blocks, steps):
+def worker(contestant, kind, warmup, blocks, steps, threads):
     """Train ``kind`` as ``contestant`` does; print this process's block times (seconds) as one line."""
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
     keras = tf.keras
     stamps, cpu = [], []
 
@@ -216,7 +218,8 @@ def _run_all(commands, envs, timeout):
 def launch(contestant, kind, args):
     """One launch of ``contestant`` training ``kind``: samples/s (median over its blocks); SystemExit on failure."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", contestant, "--models", kind,
-          "--warmup", str(args.warmup), "--blocks", str(args.blocks), "--steps", str(args.steps)]
+          "--warmup", str(args.warmup), "--blocks", str(args.blocks), "--steps", str(args.steps),
+          "--threads", str(args.threads)]
     if contestant != "mwms":
         from ringtrain.cluster.launch import mpirun_command
 
@@ -251,6 +254,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block (default 20)")
     parser.add_argument("--launch-timeout", type=float, default=600.0,
                         help="seconds one launch may take before it is killed (default 600)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="TensorFlow's intra-op threads per process, 0 for its default (default 1)")
     parser.add_argument("--alone", action="store_true",
                         help="also time the same fit on each rank without communication (the ceiling)")
     parser.add_argument("--worker", choices=CONTESTANTS + (ALONE,), help=argparse.SUPPRESS)
@@ -259,11 +264,11 @@ def main(argv=None):
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
         parser.exit(2, f"bench_keras.py: unknown model {','.join(bad) or '(none)'}; choose from {', '.join(MODELS)}\n")
-    if min(args.repeats, args.warmup, args.blocks, args.steps) < 1 or args.launch_timeout <= 0:
+    if min(args.repeats, args.warmup, args.blocks, args.steps) < 1 or args.launch_timeout <= 0 or args.threads < 0:
         parser.exit(2, "bench_keras.py: --repeats, --warmup, --blocks, --steps and --launch-timeout must be "
-                       "positive\n")
+                       "positive, --threads at least 0\n")
     if args.worker:
-        return worker(args.worker, models[0], args.warmup, args.blocks, args.steps)
+        return worker(args.worker, models[0], args.warmup, args.blocks, args.steps, args.threads)
     before = _load()
     print(f"load average before: {before}", flush=True)
     rows = []
