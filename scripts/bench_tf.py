@@ -1,9 +1,13 @@
 """The TensorFlow face's small op: ``hvd.allreduce`` of a 4 KiB tensor, eagerly, against ``ringtrain.allreduce_``.
 
-One launch (under mpirun) times both, interleaved: rounds of CALLS calls,
-the face's batch then the library's, each batch started after a barrier;
-the per-call time of a round is the slowest rank's, and the launch prints
-the medians over rounds, their ratio and the load average as one JSON line::
+One launch (under mpirun) times three ways of the same 4 KiB float32 sum,
+interleaved: the face's ``hvd.allreduce`` of a tensor, the engine's own op
+on the NumPy array (``ringtrain.engine.allreduce_async`` + ``synchronize``,
+what the face calls: the difference is the face's), and the library's
+``ringtrain.allreduce_``. Rounds of CALLS calls of each, each batch started
+after a barrier; the per-call time of a round is the slowest rank's, and
+the launch prints the medians over rounds, the ratios to the library's and
+the load average (before and after) as one JSON line::
 
     mpirun -np 2 python scripts/bench_tf.py --bytes 4096 --calls 500 --rounds 11
 
@@ -33,24 +37,32 @@ def one_launch(nbytes, calls, rounds):
 
     import ringtrain
     import ringtrain.tensorflow as hvd
+    from ringtrain import engine
 
     hvd.init()
     comm = MPI.COMM_WORLD
     x = np.zeros(nbytes // 4, np.float32)  # zeros: a sum of zeros stays zero
     t = tf.constant(x)
     face = lambda: hvd.allreduce(t, op=hvd.Sum)  # noqa: E731 - the call timed, as a user writes it
+    y = x.copy()
+    under = lambda: engine.synchronize(engine.allreduce_async(y, op=hvd.Sum, out=y))  # noqa: E731
     library = lambda: ringtrain.allreduce_(x, op="sum")  # noqa: E731
-    face(), library()  # warm both paths
-    times = {"hvd.allreduce": [], "ringtrain.allreduce_": []}
+    ways = {"hvd.allreduce": face, "engine": under, "ringtrain.allreduce_": library}
+    for fn in ways.values():  # warm every path
+        fn()
+    load = os.getloadavg()[0]
+    times = {k: [] for k in ways}
     for _ in range(rounds):
-        times["hvd.allreduce"].append(_timed(comm, face, calls))
-        times["ringtrain.allreduce_"].append(_timed(comm, library, calls))
+        for k, fn in ways.items():
+            times[k].append(_timed(comm, fn, calls))
     medians = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     if comm.Get_rank() == 0:
+        library_us = medians["ringtrain.allreduce_"]
         print(json.dumps({"ranks": comm.Get_size(), "bytes": nbytes, "calls": calls, "rounds": rounds,
                           "median_us": {k: round(v, 2) for k, v in medians.items()},
-                          "ratio": round(medians["hvd.allreduce"] / medians["ringtrain.allreduce_"], 2),
-                          "load": os.getloadavg()[0]}), flush=True)
+                          "ratio": round(medians["hvd.allreduce"] / library_us, 2),
+                          "engine_ratio": round(medians["engine"] / library_us, 2),
+                          "load": [round(load, 2), round(os.getloadavg()[0], 2)]}), flush=True)
 
 
 def main():

@@ -162,6 +162,47 @@ def _differentiable(tensors):
     return not tf.executing_eagerly() or _tape_active()
 
 
+# The eager allreduce of one tensor, the op of an eager loop: straight to the engine and back.
+
+try:  # the type of an eager tensor (making one to learn it would start TensorFlow's runtime at import)
+    from tensorflow.python.eager.context import context as _context
+    from tensorflow.python.framework.ops import EagerTensor as _EAGER
+except ImportError:  # a TensorFlow without them: every op takes the general path
+    _EAGER = None
+# The element types whose eager tensors are NumPy arrays of the same type (``_numpy()`` views their memory on
+# the CPU), by TensorFlow's number for the type (cheaper to read than the DType), and whether they are floating.
+_VIEWED = {t.as_datatype_enum: t.is_floating for t in (tf.float16, tf.float32, tf.float64, tf.int8, tf.int16,
+                                                       tf.int32, tf.int64, tf.uint8, tf.bool)}
+
+
+def eager_direct(tensor):
+    """Whether :func:`eager_allreduce` may take ``tensor``: eager, of a plain type, with no gradient to record."""
+    if type(tensor) is not _EAGER or not tf.executing_eagerly():
+        return False
+    floating = _VIEWED.get(tensor._datatype_enum())
+    return floating is not None and not (floating and _tape_active())
+
+
+def eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set):
+    """``tensor`` (one :func:`eager_direct` accepts) reduced across the set, as a new tensor (collective).
+
+    The same op as :func:`allreduce_op`'s, announced, matched, bounded and
+    failed alike, with the least between the caller and the engine: the
+    tensor's own memory (``_numpy()``, not ``numpy()``'s copy) as the input,
+    a new array as the output (so the engine's cached record of the op and
+    its path for a blocking small op are taken), and one tensor made from it
+    (on the current device, as ``tf.convert_to_tensor`` makes it).
+    """
+    array = tensor._numpy()
+    if type(array) is not np.ndarray:  # (a scalar's may be a NumPy scalar)
+        array = np.asarray(array)
+    out = np.empty_like(array)
+    name = engine.name_or_default(name)
+    _finish(lambda: engine.allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out=out))
+    # What tf.convert_to_tensor does with an array, less its defensive copy (nobody else holds out).
+    return _EAGER(out, _context().device_name, None)
+
+
 # Allreduce.
 
 def _allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set):
@@ -196,6 +237,8 @@ def grouped_allreduce_op(tensors, name=None, op=Sum, prescale_factor=1.0, postsc
 def allreduce_op(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0, ignore_name_scope=False,
                process_set=global_process_set):
     """Reduce ``tensor`` across the set's members (default: sum) into a new tensor; differentiable."""
+    if eager_direct(tensor):
+        return eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
     return grouped_allreduce_op([tensor], name, op, prescale_factor, postscale_factor, ignore_name_scope,
                               process_set)[0]
 

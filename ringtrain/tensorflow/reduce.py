@@ -14,8 +14,9 @@ Collective over the process set, as every op.
 import tensorflow as tf
 
 from .compression import Compression
-from .mpi_ops import (Adasum, Average, Sum, allreduce_op, global_process_set, grouped_allgather, grouped_allreduce_op,
-                      grouped_reducescatter_op, handle_average_backwards_compatibility, reducescatter_op)
+from .mpi_ops import (Adasum, Average, Sum, allreduce_op, eager_allreduce, eager_direct, global_process_set,
+                      grouped_allgather, grouped_allreduce_op, grouped_reducescatter_op,
+                      handle_average_backwards_compatibility, reducescatter_op)
 
 __all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter"]
 
@@ -68,6 +69,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         NotImplementedError: an IndexedSlices with another op or with factors.
     """
     op = handle_average_backwards_compatibility(op, average)
+    if compression is Compression.none and eager_direct(tensor):  # the eager loop's op, without detours
+        return eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set)
     if isinstance(tensor, tf.IndexedSlices):
         _sparse_op(op, prescale_factor, postscale_factor)
         return _sparse_allreduce([tensor], op, process_set)[0]

@@ -199,3 +199,40 @@ def test_tape_optimizer_and_objects():
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
     assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
     assert int(hvd.size_op().numpy()) == n and int(hvd.rank_op().numpy()) == r
+
+
+@pytest.mark.mpi
+def test_a_loop_of_eager_allreduces_keeps_every_promise():
+    # The eager loop's op goes straight to the engine (its cached record, its path for a lone op): each
+    # result is a tensor of its own, scalars and bools reduce, a tape still records the gradient, and a
+    # tf.function over an eager tensor still builds a graph op.
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    x = tf.constant(np.full(1024, r, np.float32))
+    results = [hvd.allreduce(x * float(i), op=hvd.Sum) for i in range(20)]
+    scalar = hvd.allreduce(tf.constant(float(r)))
+    flags = hvd.allreduce(tf.constant([r == 0, True]), op=hvd.Min)
+    watched = tf.constant([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        total = tf.reduce_sum(hvd.allreduce(watched * float(r + 1), op=hvd.Sum))
+    grad = tape.gradient(total, watched)
+    traced = tf.function(lambda: hvd.allreduce(x, op=hvd.Max))()
+    for i, got in enumerate(results):
+        np.testing.assert_array_equal(got.numpy(), np.full(1024, i * n * (n - 1) / 2, np.float32))
+    assert float(scalar) == (n - 1) / 2 and scalar.shape == ()
+    np.testing.assert_array_equal(flags.numpy(), [n == 1, True])
+    np.testing.assert_allclose(grad.numpy(), np.full(2, n * (r + 1.0)))  # the Sum of dy (n), times r + 1
+    np.testing.assert_array_equal(traced.numpy(), np.full(1024, n - 1, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_eager_loop_whose_ranks_part_ways_fails_on_every_rank():
+    # The same small op repeated (matched by its cached record on the engine's path for a lone op) until
+    # one rank changes the op: every rank gets the error, and the next op works again.
+    r = COMM.Get_rank()
+    x = tf.ones([256])
+    for _ in range(5):
+        hvd.allreduce(x, op=hvd.Sum)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="op"):
+        hvd.allreduce(x, op=hvd.Sum if r == 0 else hvd.Max)
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum).numpy(), np.full(256, COMM.Get_size()))
