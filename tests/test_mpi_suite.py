@@ -24,9 +24,13 @@ GPU_ONLY = {os.path.join("tests", "mpi", name) for name in ("test_gpu.py", "test
 # skips itself whole at import.
 TORCH_ONLY = {os.path.join("tests", "mpi", f"test_{name}.py")
               for name in ("elastic", "torch_ops", "torch_process_sets", "torch_interop", "torch_model",
-                           "torch_optimizer")}
+                           "torch_optimizer", "keras_torch")}
 # Files whose every test needs tensorflow (the [tensorflow] extra): skipped the same way without it.
 TF_ONLY = {os.path.join("tests", "mpi", f"test_{name}.py") for name in ("tf_ops", "tf_keras")}
+# Files for ringtrain.keras on Keras 3's other backends: each needs keras and its backend's package
+# (jax is in no extra), and is skipped the same way without them.
+KERAS_BACKEND_FILES = {os.path.join("tests", "mpi", "test_keras_torch.py"): ("keras", "torch"),
+                       os.path.join("tests", "mpi", "test_keras_jax.py"): ("keras", "jax")}
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -39,6 +43,10 @@ def test_under_mpirun(path, size):
     if path in TF_ONLY and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0): every test in this file "
                     "needs it")
+    missing = [name for name in KERAS_BACKEND_FILES.get(path, ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}): every test in this "
+                    f"file needs {' and '.join(KERAS_BACKEND_FILES[path])}")
     result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
                            "-x", path], timeout=300)
     # Exit 5 ("no tests collected") fails too: every file has tests at every
@@ -67,3 +75,10 @@ def test_files_that_skip_whole_without_tensorflow_are_tf_only():
         with open(os.path.join(ROOT, path)) as fh:
             skips_whole = 'importorskip("tensorflow"' in fh.read()
         assert skips_whole == (path in TF_ONLY), f"{path}: importorskip('tensorflow') and TF_ONLY must agree"
+
+
+def test_files_for_keras_backends_name_their_backend():
+    # Keras reads KERAS_BACKEND once, at its first import: a file for a backend sets it at its top.
+    for path, (_, backend) in KERAS_BACKEND_FILES.items():
+        with open(os.path.join(ROOT, path)) as fh:
+            assert f'os.environ["KERAS_BACKEND"] = "{backend}"' in fh.read(), path

@@ -1,73 +1,40 @@
-"""Horovod's Keras API on Keras 3 and Keras 2: ``import ringtrain.keras as hvd``.
+"""Horovod's Keras API on Keras 3 (TensorFlow, torch and JAX backends) and Keras 2: ``import ringtrain.keras as hvd``.
 
-Serves ``horovod.tensorflow.keras`` and ``horovod.keras``: the basics and
-ops of :mod:`ringtrain.tensorflow`, a :func:`DistributedOptimizer` for Keras
-optimizers (Keras 3's, or ``tf-keras``'s under ``TF_USE_LEGACY_KERAS=1``),
-:mod:`.callbacks`, :func:`broadcast_global_variables` and :func:`load_model`.
+Serves ``horovod.tensorflow.keras`` and ``horovod.keras``: init and the rank
+family, a :func:`DistributedOptimizer` for Keras optimizers, :mod:`.callbacks`
+(``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
+``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``),
+``broadcast_variables``, ``broadcast_global_variables``, ``load_model`` and
+``allreduce`` / ``allgather`` / ``broadcast`` / ``reducescatter`` of values.
+
+The array path follows Keras's backend (:mod:`.backends`, read once at
+import): on ``tensorflow`` the names are :mod:`.tf_face`'s, over
+:mod:`ringtrain.tensorflow` (Keras 3's ``tf.keras``, or Keras 2's under
+``TF_USE_LEGACY_KERAS=1``; :mod:`.elastic` too); on ``torch`` and ``jax``
+(which Horovod never served) they are :mod:`.native`'s, over the engine's
+NumPy ops, without TensorFlow. Set ``KERAS_BACKEND`` before Keras is first
+imported.
 
 The wrapped optimizer averages the gradients across the process set in
-``apply`` (Keras 3) or ``apply_gradients`` (Keras 2), in one grouped
-allreduce per step, before the wrapped update; ``model.fit`` and custom
-loops both go through it. Collective: every rank must step the same
-optimizer at the same steps.
+``apply`` (``apply_gradients`` on Keras 2), in one grouped allreduce per
+step, before the wrapped update; ``model.fit`` and custom loops both go
+through it. Collective: every rank must step the same optimizer at the same
+steps.
 """
 
-import tensorflow as tf
+from . import backends
 
-import ringtrain.tensorflow as _hvd
-from ringtrain.tensorflow import (Adasum, Average, Compression, Max, Min, Product, ProcessSet, Sum, add_process_set,
-                                  allgather_object, barrier, broadcast_object, broadcast_variables, cross_rank,
-                                  cross_size, global_process_set, init, is_homogeneous, is_initialized, join,
-                                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
-                                  remove_process_set, shutdown, size)
-from ringtrain.tensorflow.keras_optimizer import DistributedKerasOptimizer, DistributedOptimizer
+BACKEND = backends.check(backends.name())
 
-from . import callbacks, elastic
+if BACKEND == "tensorflow":
+    from .tf_face import *  # noqa: F401,F403 - the face's __all__, the same names on every backend
+    from .tf_face import __all__ as _names
+    from . import elastic  # noqa: F401 - hvd.elastic, TensorFlow only
+    _names = [*_names, "elastic"]
+else:
+    from .native import *  # noqa: F401,F403
+    from .native import __all__ as _names
 
-__all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
-           "allgather_object", "barrier", "broadcast_object", "broadcast_variables", "cross_rank", "cross_size",
-           "global_process_set", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
-           "mpi_built", "mpi_enabled", "mpi_threads_supported", "rank", "remove_process_set", "shutdown", "size",
-           "callbacks", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
-           "reducescatter", "load_model", "elastic"]
+from . import callbacks  # noqa: E402 - after the face, which the callbacks use
 
-
-def broadcast_global_variables(root_rank):
-    """Horovod's TF1 graph helper; eagerly, use ``broadcast_variables`` or the callback (RuntimeError)."""
-    return _hvd.broadcast_global_variables(root_rank)
-
-
-def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
-              compression=Compression.none):
-    """``value`` (any array-like) reduced across ranks, as a NumPy array (collective)."""
-    return _hvd.allreduce(tf.constant(value), average=average, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, op=op, compression=compression, name=name).numpy()
-
-
-def allgather(value, name=None):
-    """Every rank's ``value`` concatenated on the first dimension, as a NumPy array (collective)."""
-    return _hvd.allgather(tf.constant(value), name=name).numpy()
-
-
-def broadcast(value, root_rank, name=None):
-    """``root_rank``'s ``value``, as a NumPy array (collective)."""
-    return _hvd.broadcast(tf.constant(value), root_rank, name=name).numpy()
-
-
-def reducescatter(value, name=None, op=Average):
-    """``value`` reduced across ranks, this rank's block of rows, as a NumPy array (collective)."""
-    return _hvd.reducescatter(tf.constant(value), op=op, name=name).numpy()
-
-
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
-    """Load a saved Keras model; its optimizer, state kept, then averages gradients as :func:`DistributedOptimizer`.
-
-    The optimizer keeps its loaded slots: its class becomes the wrapped
-    class (the same class with the averaging mixed in).
-    """
-    model = tf.keras.models.load_model(filepath, custom_objects=custom_objects)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not isinstance(optimizer, DistributedKerasOptimizer):
-        wrapped = DistributedOptimizer(optimizer, compression=compression)
-        optimizer.__class__ = type(wrapped)  # the loaded state stays; apply() now averages first
-    return model
+__all__ = [*_names, "callbacks", "BACKEND"]

@@ -1,22 +1,25 @@
 """Horovod's Keras callbacks: broadcast the start, average the metrics, schedule and warm up the learning rate.
 
-Each works with Keras 3 (``keras`` / ``tf.keras`` on TF >= 2.16) and Keras 2
-(``tf-keras`` under ``TF_USE_LEGACY_KERAS=1``). The collective ones
+Each works with Keras 3 (``keras`` / ``tf.keras`` on TF >= 2.16, and Keras 3's
+torch and JAX backends) and Keras 2 (``tf-keras`` under ``TF_USE_LEGACY_KERAS=1``),
+through the face :mod:`ringtrain.keras` runs on (:mod:`.backends`). Under JAX,
+``fit`` keeps the variables' values apart during an epoch; the callbacks that
+read or assign variables write that state back first (``sync_state``). The collective ones
 (:class:`BroadcastGlobalVariablesCallback`, :class:`MetricAverageCallback`)
 run at the same points of ``fit`` on every rank, so every rank must train
 with them, in the same order.
 """
 
 import numpy as np
-import tensorflow as tf
 
-import ringtrain.tensorflow as hvd
-from ringtrain.tensorflow.gradients import source_key
+from .backends import face
+
+hvd = face()
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback"]
 
-Callback = tf.keras.callbacks.Callback
+Callback = hvd.Callback
 
 
 def optimizer_variables(optimizer):
@@ -60,10 +63,10 @@ class BroadcastGlobalVariablesCallback(Callback):
 
     def register_local_var(self, var):
         """Leave ``var`` out of the broadcast."""
-        self._local_vars.add(source_key(var))
+        self._local_vars.add(hvd.source_key(var))
 
     def _model_variables(self):
-        return [v for v in self.model.variables if source_key(v) not in self._local_vars]
+        return [v for v in self.model.variables if hvd.source_key(v) not in self._local_vars]
 
     def on_train_begin(self, logs=None):
         if self.model.built:
@@ -72,6 +75,7 @@ class BroadcastGlobalVariablesCallback(Callback):
     def on_batch_end(self, batch, logs=None):
         if self.broadcast_done:
             return
+        hvd.sync_state(self.model)
         hvd.broadcast_variables(self._model_variables(), root_rank=self.root_rank)
         hvd.broadcast_variables(optimizer_variables(self.model.optimizer), root_rank=self.root_rank)
         self.broadcast_done = True
@@ -88,8 +92,8 @@ class MetricAverageCallback(Callback):
         if not logs:
             return
         names = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-        values = tf.constant([float(logs[k]) for k in names], tf.float64)
-        averaged = hvd.allreduce(values, op=hvd.Average, name="MetricAverageCallback").numpy()
+        values = np.array([float(logs[k]) for k in names], np.float64)
+        averaged = hvd.allreduce(values, op=hvd.Average, name="MetricAverageCallback")
         for k, v in zip(names, averaged):
             logs[k] = float(v)
 
@@ -131,6 +135,7 @@ class LearningRateScheduleCallback(Callback):
                          f"parameter to the {type(self).__name__}()")
 
     def _adjust(self, epoch):
+        hvd.sync_state(self.model)
         optimizer = self.model.optimizer
         old = get_lr(optimizer)
         new = self.initial_lr * self.multiplier(epoch)
@@ -158,6 +163,7 @@ class LearningRateScheduleCallback(Callback):
 
     def on_batch_end(self, batch, logs=None):
         if self.restore_momentum is not None:
+            hvd.sync_state(self.model)
             _set_momentum(self.model.optimizer, self.restore_momentum)
             self.restore_momentum = None
 

@@ -91,6 +91,11 @@ def test_python_block_runs_as_pasted(page, line, fence, tmp_path):
     if re.search(r"^\s*(import|from) (tensorflow|keras|ringtrain\.(tensorflow|keras))\b", fence.code, re.M) \
             and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0, or the [tensorflow] extra)")
+    # A block for Keras 3 on another backend names it in KERAS_BACKEND; it needs that backend's package and Keras.
+    backend = re.search(r'^os\.environ\["KERAS_BACKEND"\] = "(\w+)"', fence.code, re.M)
+    missing = [name for name in (backend[1], "keras") if importlib.util.find_spec(name) is None] if backend else []
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}): docs/keras-backends.md")
     if fence.marker:
         words = shlex.split(fence.marker)
         assert words[0] == "ringtrain", f"{where}: the setup must be a ringtrain command"

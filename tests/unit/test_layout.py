@@ -174,7 +174,7 @@ def test_the_cluster_face_imports_nothing():
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
-@pytest.mark.parametrize("library, home", [("torch", "torch"), ("cupy", "backend")])
+@pytest.mark.parametrize("library, home", [("torch", "torch"), ("cupy", "backend"), ("jax", "keras")])
 def test_optional_libraries_are_imported_in_one_wing(library, home):
     outside = [f"{name}:{node.lineno}" for name, (_, tree) in MODULES.items() if _wing(name) != home
                for node in ast.walk(tree)
