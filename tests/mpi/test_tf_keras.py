@@ -79,3 +79,63 @@ def test_metric_average_and_learning_rate_callbacks():
     losses = COMM.allgather([logs["loss"] for logs in seen])
     assert all(np.allclose(losses[0], mine_) for mine_ in losses)  # averaged: the same on every rank
     assert np.isclose(float(np.asarray(model.optimizer.learning_rate)), 0.1 * 0.5)
+
+
+def _gradients(model, x, y):
+    """The gradients of the mean squared error of ``model`` on (x, y), one process, no collectives."""
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def _train(loop, model, optimizer, xs, ys):
+    """Train on the batches (xs[b], ys[b]) by ``model.fit``, or by a custom loop eagerly or in a tf.function."""
+    if loop == "fit":
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=len(xs[0]), shuffle=False, epochs=1, verbose=0)
+        return
+
+    def step(x, y):
+        optimizer.apply_gradients(zip(_gradients(model, x, y), model.trainable_variables))
+
+    step = tf.function(step) if loop == "function" else step
+    for x, y in zip(xs, ys):
+        step(tf.constant(x), tf.constant(y))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("average", [False, True], ids=["summed", "averaged"])
+@pytest.mark.parametrize("loop", ["fit", "eager", "function"])
+def test_backward_passes_per_step_equals_one_process_applying_every_nth_pass(loop, average):
+    # Horovod's backward_passes_per_step: N passes summed locally, reduced and applied on the N-th;
+    # the 4th pass here is accumulated and not applied. Momentum makes a skipped apply visible.
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    passes, per_rank, batches = 3, 2, 4
+    x, y = _data(batches, per_rank, n)
+    mine = slice(r * per_rank, (r + 1) * per_rank)
+    model = _model(seed=5)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.05, momentum=0.5),
+                                         backward_passes_per_step=passes, average_aggregated_gradients=average)
+    _train(loop, model, optimizer, list(x[:, mine]), list(y[:, mine]))
+    got, iterations = model.get_weights(), int(optimizer.iterations.numpy())
+    counter = int(optimizer._agg_helper.counter.numpy())
+
+    reference = _model(seed=5)
+    plain = keras.optimizers.SGD(learning_rate=0.05, momentum=0.5)
+    total = None
+    for b in range(batches):  # every rank's shard of a batch is one pass over the whole batch here
+        grads = _gradients(reference, x[b], y[b])
+        total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        if (b + 1) % passes == 0:
+            plain.apply_gradients(zip([t / passes if average else t for t in total], reference.trainable_variables))
+            total = None
+    for a, b in zip(got, reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    assert iterations == batches  # as in Horovod, a pass that does not apply still counts
+    assert counter == batches % passes
+
+
+@pytest.mark.mpi
+def test_backward_passes_per_step_below_one_is_refused():
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
