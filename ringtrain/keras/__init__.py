@@ -20,7 +20,8 @@ from ringtrain.tensorflow import (Adasum, Average, Compression, Max, Min, Produc
                                   cross_size, global_process_set, init, is_homogeneous, is_initialized, join,
                                   local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
                                   remove_process_set, shutdown, size)
-from ringtrain.tensorflow.keras_optimizer import DistributedKerasOptimizer, DistributedOptimizer
+from ringtrain.tensorflow.keras_optimizer import (DistributedKerasOptimizer, DistributedOptimizer,
+                                                  PartialDistributedOptimizer)
 
 from . import callbacks, elastic
 
@@ -28,8 +29,8 @@ __all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "Process
            "allgather_object", "barrier", "broadcast_object", "broadcast_variables", "cross_rank", "cross_size",
            "global_process_set", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "rank", "remove_process_set", "shutdown", "size",
-           "callbacks", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
-           "reducescatter", "load_model", "elastic"]
+           "callbacks", "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables",
+           "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "elastic"]
 
 
 def broadcast_global_variables(root_rank):

@@ -18,9 +18,9 @@ import tensorflow as tf
 from .compression import Compression
 from .aggregation import LocalGradientAggregator, check_backward_passes
 from .gradients import check_arguments, make_allreduce_grads_fn, reduce_with_locals, source_key
-from .mpi_ops import Average, global_process_set
+from .mpi_ops import Average, Sum, global_process_set
 
-__all__ = ["DistributedKerasOptimizer", "DistributedOptimizer", "CallableList"]
+__all__ = ["DistributedKerasOptimizer", "DistributedOptimizer", "PartialDistributedOptimizer", "CallableList"]
 
 
 class DistributedKerasOptimizer:
@@ -158,3 +158,29 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                {"__module__": base.__module__, "_hvd": (fn, process_set, scale_local_gradients),
                 "_hvd_passes": (passes, sparse_as_dense, average_aggregated_gradients)})
     return cls.from_config(optimizer.get_config())
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802 - Horovod's
+                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=Average, groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A :func:`DistributedOptimizer` that keeps the gradients of ``local_layers``' weights local (Horovod's).
+
+    Those gradients are not reduced; with ``scale_local_gradients`` they are
+    divided by the process set's size, as Horovod does.
+    """
+    if op not in (Average, Sum):
+        raise ValueError("op currently only supports Average and Sum")
+    if local_layers is None:
+        local_layers = []
+    elif not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    if not all(hasattr(layer, "trainable_weights") for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, groups=groups, process_set=process_set,
+                                   scale_local_gradients=scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped

@@ -139,3 +139,42 @@ def test_backward_passes_per_step_equals_one_process_applying_every_nth_pass(loo
 def test_backward_passes_per_step_below_one_is_refused():
     with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
+
+
+@pytest.mark.mpi
+def test_partial_distributed_optimizer_keeps_local_layers_gradients_local_and_scaled():
+    # Horovod's rule: a local layer's gradient is this rank's own, divided by the set's size; the rest averaged.
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    x, y = _data(1, 2, n)
+    mine = slice(r * 2, (r + 1) * 2)
+    model = _model(seed=3)
+    before = model.get_weights()
+    optimizer = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(learning_rate=0.5),
+                                                local_layers=[model.layers[0]])
+    _train("eager", model, optimizer, [x[0, mine]], [y[0, mine]])
+    got = model.get_weights()
+
+    reference = _model(seed=3)
+    own = [g.numpy() for g in _gradients(reference, x[0, mine], y[0, mine])]
+    whole = [g.numpy() for g in _gradients(reference, x[0], y[0])]
+    local = {id(v) for v in reference.layers[0].trainable_weights}
+    for w0, w, v, g_own, g_all in zip(before, got, reference.trainable_variables, own, whole):
+        expected = w0 - 0.5 * (g_own / n if id(v) in local else g_all)
+        np.testing.assert_allclose(w, expected, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.mpi
+def test_broadcast_callback_leaves_local_variables_as_each_rank_made_them():
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    x, y = _data(1, 2, n)
+    model = _model(seed=200 + r)
+    own = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.0)), loss="mse")
+    root = n - 1
+    local = list(model.layers[0].variables)
+    model.fit(x[0], y[0], batch_size=2 * n, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(root, local_variables=local)])
+    roots = _model(seed=200 + root).get_weights()
+    local_ids = {id(v) for v in local}
+    for v, mine_, theirs in zip(model.variables, own, roots):
+        np.testing.assert_array_equal(v.numpy(), mine_ if id(v) in local_ids else theirs)
