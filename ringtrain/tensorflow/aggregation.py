@@ -120,8 +120,15 @@ class LocalGradientAggregator:
         """A boolean tensor: True after the N-th pass, when the wrapped optimizer applies."""
         return tf.equal(self.counter, 0)
 
-    def apply_gradients(self, apply, optimizer, global_step=None):
+    def apply_gradients(self, apply, optimizer, grads=(), global_step=None):
         """``apply()`` after the N-th pass; on the others advance ``optimizer.iterations`` (and ``global_step``).
+
+        Args:
+            apply: the wrapped optimizer's apply, a function of no arguments.
+            optimizer: the optimizer whose ``iterations`` advance on the other passes.
+            grads: this pass's gradients from :meth:`compute_gradients`: in a TF1
+                graph the counter is read after them (after this pass counted).
+            global_step: a TF1 ``global_step`` to advance on the other passes.
 
         Returns:
             a boolean tensor, True where the step applied, that runs after the chosen branch's effects.
@@ -137,4 +144,7 @@ class LocalGradientAggregator:
 
         if self.counter is None:  # no pass was counted: nothing to apply yet
             return skip()
-        return tf.cond(self.is_aggregation_step(), lambda: _after(apply(), tf.constant(True)), skip)
+        counted = [] if tf.executing_eagerly() else [g for g in grads if isinstance(g, tf.Tensor)]
+        with tf.control_dependencies(counted):
+            applies = self.is_aggregation_step()
+        return tf.cond(applies, lambda: _after(apply(), tf.constant(True)), skip)

@@ -217,7 +217,7 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
         grads_and_vars = list(grads_and_vars)
         applied = self._agg_helper.apply_gradients(
             lambda: self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name),
-            self._optimizer, global_step)
+            self._optimizer, [g for g, _ in grads_and_vars], global_step)
         return applied if tf.executing_eagerly() else tf.group(applied)
 
     def get_slot(self, *args, **kwargs):

@@ -62,10 +62,10 @@ class DistributedKerasOptimizer:
             return self._hvd_reduce(grads, variables)
         return aggregator.compute_gradients(grads, variables)
 
-    def _hvd_apply(self, apply):
+    def _hvd_apply(self, apply, grads):
         """``apply()`` now (N = 1), or only after every N-th pass (collective on that pass)."""
         aggregator = self._agg_helper
-        return apply() if aggregator is None else aggregator.apply_gradients(apply, self)
+        return apply() if aggregator is None else aggregator.apply_gradients(apply, self, grads)
 
     def apply(self, grads, trainable_variables=None):
         """Keras 3: average ``grads`` across the process set, then the wrapped update (collective)."""
@@ -74,7 +74,8 @@ class DistributedKerasOptimizer:
         if self._agg_helper is not None and not self.built:
             self.build(variables)  # outside the tf.cond below: Keras makes its slots here
         reduced = self._hvd_gradients(grads, variables)
-        return self._hvd_apply(lambda: super(DistributedKerasOptimizer, self).apply(reduced, trainable_variables))
+        return self._hvd_apply(lambda: super(DistributedKerasOptimizer, self).apply(reduced, trainable_variables),
+                               reduced)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         """The wrapped ``apply_gradients``; Keras 2 optimizers average the gradients here first (collective).
@@ -89,7 +90,7 @@ class DistributedKerasOptimizer:
         if not self.__dict__.pop("_hvd_reduced", False):
             grads = self._hvd_gradients(grads, variables)
         return self._hvd_apply(lambda: super(DistributedKerasOptimizer, self).apply_gradients(
-            list(zip(grads, variables)), *args, **kwargs))
+            list(zip(grads, variables)), *args, **kwargs), grads)
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
         """Keras 2: the wrapped optimizer's gradients, reduced across the process set (Horovod's; collective).
