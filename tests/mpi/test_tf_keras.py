@@ -105,7 +105,7 @@ def _train(loop, model, optimizer, xs, ys):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("average", [False, True], ids=["summed", "averaged"])
-@pytest.mark.parametrize("loop", ["fit", "eager", "function"])
+@pytest.mark.parametrize("loop", ["fit", "eager", "function", "fit-legacy"])
 def test_backward_passes_per_step_equals_one_process_applying_every_nth_pass(loop, average):
     # Horovod's backward_passes_per_step: N passes summed locally, reduced and applied on the N-th;
     # the 4th pass here is accumulated and not applied. Momentum makes a skipped apply visible.
@@ -114,7 +114,12 @@ def test_backward_passes_per_step_equals_one_process_applying_every_nth_pass(loo
     x, y = _data(batches, per_rank, n)
     mine = slice(r * per_rank, (r + 1) * per_rank)
     model = _model(seed=5)
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.05, momentum=0.5),
+    sgd = keras.optimizers.SGD
+    if loop == "fit-legacy":  # Keras 2's OptimizerV2 (Horovod's examples use them)
+        if hasattr(keras, "version") and keras.version().startswith("3"):
+            pytest.skip("Keras 2's legacy optimizers (tf-keras, TF_USE_LEGACY_KERAS=1) only")
+        sgd, loop = keras.optimizers.legacy.SGD, "fit"
+    optimizer = hvd.DistributedOptimizer(sgd(learning_rate=0.05, momentum=0.5),
                                          backward_passes_per_step=passes, average_aggregated_gradients=average)
     _train(loop, model, optimizer, list(x[:, mine]), list(y[:, mine]))
     got, iterations = model.get_weights(), int(optimizer.iterations.numpy())
