@@ -4,8 +4,8 @@ Each backward pass adds its gradients to a local accumulator (one variable
 per gradient, this rank's own) and counts the pass; the N-th pass reduces
 the accumulated gradients across the process set (one grouped allreduce,
 the same reduction as at N = 1), divides them by N when
-``average_aggregated_gradients``, clears the accumulators and sets the count
-back to 0. The wrapped optimizer applies only when the count is 0, that is
+``average_aggregated_gradients`` and sets the count back to 0; the next pass
+starts the accumulators from zero. The wrapped optimizer applies only when the count is 0, that is
 after the N-th pass; on the other passes its ``iterations`` (and a TF1
 ``global_step``) still advance, as in Horovod. Collectives run on the N-th
 pass only, so every member must make the same number of passes.
@@ -91,30 +91,38 @@ class LocalGradientAggregator:
         variables = list(variables)
         self._build(grads, variables)
         present = [i for i, g in enumerate(grads) if g is not None]
-        added = [self.locally_aggregated_grads[i].assign_add(grads[i]) for i in present]
-        with tf.control_dependencies(added if not tf.executing_eagerly() else []):
+        graph = not tf.executing_eagerly()
+        # The first pass of a step starts from zero. Cleared here rather than after the N-th pass's
+        # reduction: in a TF1 graph that clear could overwrite the sums the apply was still to read.
+        cleared = tf.cond(tf.equal(self.counter, 0), lambda: _after(self._zero(present), tf.constant(True)),
+                          lambda: tf.constant(False))
+        with tf.control_dependencies([cleared] if graph else []):
+            added = [self.locally_aggregated_grads[i].assign_add(grads[i]) for i in present]
+        with tf.control_dependencies(added if graph else []):
             count = self.counter.assign_add(1, read_value=True)
             sums = [tf.identity(self.locally_aggregated_grads[i].read_value()) for i in present]
         if not present:
             return list(grads)
         chosen = tf.cond(tf.equal(count, self.backward_passes_per_step),
-                         lambda: self._reduce_and_clear(sums, [variables[i] for i in present], present),
+                         lambda: self._reduce_and_restart(sums, [variables[i] for i in present]),
                          lambda: list(sums))
         out = list(grads)
         for i, g in zip(present, tf.nest.flatten(chosen)):
             out[i] = g
         return out
 
-    def _reduce_and_clear(self, sums, variables, present):
-        """The N-th pass: reduce the sums across the process set, then zero the accumulators and the count."""
+    def _zero(self, present):
+        return [self.locally_aggregated_grads[i].assign(tf.zeros_like(self.locally_aggregated_grads[i]))
+                for i in present]
+
+    def _reduce_and_restart(self, sums, variables):
+        """The N-th pass: reduce the sums across the process set, then set the count back to 0."""
         reduced = self._reduce(sums, variables)
         if self.average_aggregated_gradients:
             reduced = [g / tf.cast(self.backward_passes_per_step, g.dtype) for g in reduced]
         with tf.control_dependencies(reduced if not tf.executing_eagerly() else []):
-            cleared = [self.locally_aggregated_grads[i].assign(tf.zeros_like(self.locally_aggregated_grads[i]))
-                       for i in present]
-            cleared.append(self.counter.assign(0))
-        return [_after(cleared, g) for g in reduced]
+            restarted = self.counter.assign(0)
+        return [_after(restarted, g) for g in reduced]
 
     def is_aggregation_step(self):
         """A boolean tensor: True after the N-th pass, when the wrapped optimizer applies."""
