@@ -46,9 +46,10 @@ reports="$(mktemp -d)"
 trap 'rm -rf "$reports"' EXIT
 export PYTHONPATH="$root/scripts/horovod_compat:$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 # The test ids, collected once in a single process (pytest 9 prints them from the
-# checkout's root, where setup.cfg is; they are passed from test/parallel).
+# checkout's root, where setup.cfg is; they are passed from test/parallel). Only
+# lines that are ids: TensorFlow's log lines also hold '::' (absl::InitializeLog).
 (cd "$checkout/test/parallel" && "$python" -m ringtrain.horovod -m pytest $plugins -q --collect-only -p no:cacheprovider \
-    ${PYTEST_K:+-k "$PYTEST_K"} "$test_file") | grep '::' | sed 's#^test/parallel/##' > "$reports/ids"
+    ${PYTEST_K:+-k "$PYTEST_K"} "$test_file") | sed 's#^test/parallel/##' | grep -F "$test_file::" | grep -v ' ' > "$reports/ids"
 if [ ! -s "$reports/ids" ]; then
     echo "$0: collected no tests from $checkout/test/parallel/$test_file" >&2
     exit 2

@@ -54,12 +54,21 @@ class BroadcastGlobalVariablesCallback(Callback):
     the optimizer's slots exist, as Horovod does.
     """
 
-    def __init__(self, root_rank, device=""):
+    def __init__(self, root_rank, device="", local_variables=None):
+        """``local_variables``: a variable or a list of them that each rank keeps its own (not broadcast)."""
         super().__init__()
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
         self._local_vars = set()
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, (list, tuple)):
+            local_variables = [local_variables]
+        if not all(hasattr(var, "assign") for var in local_variables):
+            raise ValueError("All local variables must be of tf.Variable type.")
+        for var in local_variables:
+            self.register_local_var(var)
 
     def register_local_var(self, var):
         """Leave ``var`` out of the broadcast."""

@@ -21,14 +21,15 @@ from ringtrain.tensorflow import (Adasum, Average, Compression, Max, Min, Produc
                                   local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
                                   remove_process_set, shutdown, size)
 from ringtrain.tensorflow.gradients import source_key  # noqa: F401 - the callbacks use it
-from ringtrain.tensorflow.keras_optimizer import DistributedKerasOptimizer, DistributedOptimizer
+from ringtrain.tensorflow.keras_optimizer import (DistributedKerasOptimizer, DistributedOptimizer,
+                                                  PartialDistributedOptimizer)
 
 __all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
            "allgather_object", "barrier", "broadcast_object", "broadcast_variables", "cross_rank", "cross_size",
            "global_process_set", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "rank", "remove_process_set", "shutdown", "size",
-           "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
-           "reducescatter", "load_model"]
+           "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables", "allreduce",
+           "allgather", "broadcast", "reducescatter", "load_model"]
 
 # What the callbacks (.callbacks) need from a face, beside its collectives: Keras 2's or Keras 3's base
 # class (tf.keras is tf-keras under TF_USE_LEGACY_KERAS=1), source_key (a hashable key for a variable), sync_state.

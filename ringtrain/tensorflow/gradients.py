@@ -18,6 +18,7 @@ import warnings
 
 import tensorflow as tf
 
+from .aggregation import LocalGradientAggregator, check_backward_passes
 from .compression import Compression
 from .mpi_ops import Adasum, Average, global_process_set
 from .reduce import grouped_allreduce
@@ -181,13 +182,21 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
 class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
     """A TF1 ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` reduces across the process set."""
 
-    def __init__(self, optimizer, name, use_locking, allreduce_grads, process_set, scale_local_gradients):
+    def __init__(self, optimizer, name, use_locking, allreduce_grads, process_set, scale_local_gradients,
+                 aggregation=(1, False, False)):
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
         self._optimizer = optimizer
         self._allreduce_grads = allreduce_grads
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._local_vars = set()
+        passes, sparse_as_dense, average = aggregation
+        self._agg_helper = None if passes == 1 else LocalGradientAggregator(passes, self._reduce, sparse_as_dense,
+                                                                            average)
+
+    def _reduce(self, grads, variables):
+        return reduce_with_locals(self._allreduce_grads, list(grads), list(variables), self._local_vars,
+                                  self.process_set, self.scale_local_gradients)
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not reduced)."""
@@ -197,13 +206,19 @@ class _LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
         """The wrapped optimizer's gradients, reduced across the process set (collective)."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = [list(t) for t in zip(*pairs)] if pairs else ([], [])
-        reduced = reduce_with_locals(self._allreduce_grads, grads, variables, self._local_vars, self.process_set,
-                                     self.scale_local_gradients)
-        return list(zip(reduced, variables))
+        if self._agg_helper is not None:
+            return list(zip(self._agg_helper.compute_gradients(grads, variables), variables))
+        return list(zip(self._reduce(grads, variables), variables))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        """The wrapped optimizer's ``apply_gradients``."""
-        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        """The wrapped optimizer's ``apply_gradients`` (with ``backward_passes_per_step`` N, on every N-th pass)."""
+        if self._agg_helper is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        grads_and_vars = list(grads_and_vars)
+        applied = self._agg_helper.apply_gradients(
+            lambda: self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name),
+            self._optimizer, [g for g, _ in grads_and_vars], global_step)
+        return applied if tf.executing_eagerly() else tf.group(applied)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)
@@ -222,13 +237,17 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          process_set=global_process_set, scale_local_gradients=True):
     """Wrap a TF1 optimizer (``tf.compat.v1.train.Optimizer``); ``hvd.DistributedOptimizer`` sends Keras ones on.
 
+    With ``backward_passes_per_step`` N > 1 the gradients of N passes are summed
+    locally, reduced and applied on every N-th pass (:mod:`.aggregation`), in
+    TF1 graphs as in Horovod, and eagerly too (where Horovod refuses).
+
     Raises:
-        NotImplementedError: ``backward_passes_per_step > 1``, or ``op=Adasum``.
+        NotImplementedError: ``op=Adasum``.
+        ValueError: ``backward_passes_per_step < 1``.
     """
     groups = check_arguments(op, gradient_predivide_factor, num_groups, groups)
-    if backward_passes_per_step > 1:
-        raise NotImplementedError("backward_passes_per_step > 1 is not implemented by ringtrain.tensorflow for "
-                                  "tf.compat.v1 optimizers; use a Keras optimizer (ringtrain.keras)")
+    passes = check_backward_passes(backward_passes_per_step)
     fn = make_allreduce_grads_fn(name or "DistributedOptimizer", device_dense, device_sparse, compression,
                                  sparse_as_dense, op, gradient_predivide_factor, groups, process_set)
-    return _LegacyDistributedOptimizer(optimizer, name, use_locking, fn, process_set, scale_local_gradients)
+    return _LegacyDistributedOptimizer(optimizer, name, use_locking, fn, process_set, scale_local_gradients,
+                                       (passes, sparse_as_dense, average_aggregated_gradients))

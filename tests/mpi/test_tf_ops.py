@@ -236,3 +236,61 @@ def test_an_eager_loop_whose_ranks_part_ways_fails_on_every_rank():
     with pytest.raises(tf.errors.FailedPreconditionError, match="op"):
         hvd.allreduce(x, op=hvd.Sum if r == 0 else hvd.Max)
     np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum).numpy(), np.full(256, COMM.Get_size()))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("average", [False, True], ids=["summed", "averaged"])
+@pytest.mark.parametrize("mode", MODES + ["graph"])
+def test_tf1_optimizer_with_backward_passes_per_step_applies_every_nth_sum(mode, average):
+    # The reference: one process, the plain optimizer, every rank's data; it applies the sum of each
+    # N passes' averaged gradients (divided by N when averaged). The 5th pass is accumulated, not applied.
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    passes, steps = 2, 5
+    data = np.random.default_rng(11).normal(size=(steps, n, 3))
+    run = _tf1_graph_passes if mode == "graph" else _tf2_passes
+    w, global_step, counter = run(mode == "function", data[:, r], passes, average)
+
+    w_ref, plain, total = tf.Variable(np.ones(3)), tf.compat.v1.train.MomentumOptimizer(0.1, 0.5), 0.0
+    for b in range(steps):
+        total = total + 2.0 * w_ref.numpy() * data[b].mean(axis=0)
+        if (b + 1) % passes == 0:
+            plain.apply_gradients([(tf.constant(total / passes if average else total), w_ref)])
+            total = 0.0
+    np.testing.assert_allclose(w, w_ref.numpy(), rtol=1e-12)
+    assert global_step == steps  # as in Horovod, a pass that does not apply still counts
+    assert counter == steps % passes
+
+
+def _tf1_optimizer(passes, average):
+    return hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.5), backward_passes_per_step=passes,
+                                    average_aggregated_gradients=average)
+
+
+def _tf2_passes(function, mine, passes, average):
+    """Eager or tf.function: ``minimize`` of sum(w * w * x) for each of this rank's rows x; (w, step, counter)."""
+    w, global_step = tf.Variable(np.ones(3)), tf.Variable(0, dtype=tf.int64)
+    opt = _tf1_optimizer(passes, average)
+
+    def step(x):
+        opt.minimize(lambda: tf.reduce_sum(w * w * x), var_list=[w], global_step=global_step)
+
+    step = tf.function(step) if function else step
+    for x in mine:
+        step(tf.constant(x))
+    return w.numpy(), int(global_step.numpy()), int(opt._agg_helper.counter.numpy())
+
+
+def _tf1_graph_passes(function, mine, passes, average):
+    """The same passes in a TF1 graph run by a Session (where Horovod serves backward_passes_per_step)."""
+    del function
+    with tf.Graph().as_default():
+        w, x = tf.Variable(np.ones(3)), tf.compat.v1.placeholder(tf.float64, [3])
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        opt = _tf1_optimizer(passes, average)
+        train = opt.minimize(tf.reduce_sum(w * w * x), global_step=global_step)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for row in mine:
+                sess.run(train, {x: row})
+            got, step, counter = sess.run([w, global_step, opt._agg_helper.counter])
+    return got, int(step), int(counter)
