@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 
 import pytest
 
@@ -12,6 +13,25 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "mpi" and collection_path.parent.name == "tests":
         return not config.getoption("with_mpi", default=False)
     return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left():
+    """Remove the MPICH segments the session's jobs left in /dev/shm, at its end.
+
+    ``mpirun.run`` sweeps after each job that fails, but jobs started
+    otherwise (the launch and elastic tests' own processes, jobs a launcher
+    restarted) leave theirs. MPICH names a singleton's segment by its pid,
+    so one that root's run leaves makes another user's ``MPI_Init`` fail
+    (``MPIDI_POSIX_comm_bootstrap: Out of memory``) when that pid comes
+    round again. Only this user's segments made since the session began,
+    and that no live process maps, are removed.
+    """
+    started = time.time()
+    yield
+    from mpirun import _sweep_shared_memory
+
+    _sweep_shared_memory(started)
 
 
 @pytest.fixture(scope="session")

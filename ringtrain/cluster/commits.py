@@ -19,7 +19,7 @@ the key, checked with :func:`hmac.compare_digest` before anything is
 unpickled. A SHA-256 alone proves nothing (anyone can compute one). The
 key is only as secret as the directory, so the directory must be the
 user's: owned by them and writable by nobody else (as ssh refuses a key
-file others can write), under directories that are root's or the user's
+file others can write; a group that is theirs alone is them), under directories that are root's or the user's
 and that nobody else may write unless sticky (so nobody can swap it), and
 no symbolic link is followed under it. A
 commit that fails is skipped with one line and never unpickled.
@@ -51,8 +51,9 @@ from ..io.safeio import file_kind, os_reason
 
 __all__ = ["ENV_DIR", "ENV_JOB", "ENV_GENERATION", "COMMITS", "KEY_FILE", "FORMAT", "elastic_env",
            "under_elastic_launch", "elastic_start", "write_notice", "read_notice", "write_listening", "is_listening",
-           "directory_problem", "ancestor_problem", "check_private_directory", "check_ancestors",
-           "make_private_directory", "make_key", "read_key", "commit_mac", "CommitStore"]
+           "directory_problem", "ancestor_problem", "owners_own_group", "is_owners_own_group",
+           "check_private_directory", "check_ancestors", "make_private_directory", "make_key", "read_key",
+           "commit_mac", "CommitStore"]
 
 ENV_DIR = "RINGTRAIN_ELASTIC_DIR"
 ENV_JOB = "RINGTRAIN_ELASTIC_JOB"
@@ -160,7 +161,7 @@ def directory_problem(path, link_ok=True):
         return f"is {file_kind(st.st_mode) or 'a regular file'}, not a directory"
     if st.st_uid != os.geteuid():
         return f"is owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())})"
-    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    writable = _writers(st)
     if writable:
         return f"is writable by its {' and '.join(writable)} (mode {stat.S_IMODE(st.st_mode):04o})"
     return ancestor_problem(path)
@@ -172,8 +173,9 @@ def ancestor_problem(path):
     ssh's rule for the path to a key file: every directory above the real
     path must be owned by root or the user, and writable by nobody else
     unless it is sticky (as ``/tmp`` is, where only an entry's owner may
-    rename it). The real place of every link on the way is checked too:
-    whoever may write there may point the link elsewhere. A directory not
+    rename it); the write bit of a group that is the owner's alone does not
+    count (:func:`owners_own_group`). The real place of every link on the
+    way is checked too: whoever may write there may point the link elsewhere. A directory not
     made yet is skipped: the launcher makes it, mode 0700.
     """
     for parent in _ancestors(path):
@@ -185,11 +187,59 @@ def ancestor_problem(path):
             return f"is under {parent}, which cannot be checked ({os_reason(exc)})"
         if st.st_uid not in (0, os.geteuid()):
             return f"is under {parent}, which {_user(st.st_uid)} owns, not you or root"
-        writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+        writable = _writers(st)
         if writable and not st.st_mode & stat.S_ISVTX:
             return (f"is under {parent}, which its {' and '.join(writable)} may write and which is not sticky "
                     f"(mode {stat.S_IMODE(st.st_mode):04o})")
     return None
+
+
+def _writers(st):
+    """Who besides its owner may write what ``st`` describes: ``["group"]``, ``["others"]``, both, or none.
+
+    The group's write bit is no one else's when the group is the owner's
+    own (:func:`owners_own_group`): Debian, Ubuntu and Fedora give each user
+    such a group and umask 002, so a clone or a ``mkdir`` there is mode
+    0775, and Debian's ssh accepts that mode on the path to a key.
+    """
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if writable == ["group"] and is_owners_own_group(st.st_uid, st.st_gid):
+        return []
+    return writable
+
+
+def owners_own_group(uid, gid, primary, members, owner):
+    """True when group ``gid`` is the primary group of user ``uid`` and holds nobody else (pure).
+
+    Args:
+        uid: the owner of the directory.
+        gid: its group.
+        primary: ``(name, uid)`` of every user the system lists whose primary group is ``gid``.
+        members: the names the group lists as its other (supplementary) members.
+        owner: ``(name, primary gid)`` of ``uid``, or None when the system does not know it.
+    """
+    if owner is None or owner[1] != gid:
+        return False
+    return all(who == uid for _, who in primary) and all(name == owner[0] for name in members)
+
+
+def is_owners_own_group(uid, gid):
+    """:func:`owners_own_group` on what the user and group databases say of ``uid`` and ``gid``."""
+    return owners_own_group(uid, gid, *_group_users(uid, gid))
+
+
+def _group_users(uid, gid):
+    """``(primary, members, owner)`` for :func:`owners_own_group`; an owner or group unknown gives None."""
+    try:
+        import grp
+        import pwd
+
+        members = list(grp.getgrgid(gid).gr_mem)
+        owner = pwd.getpwuid(uid)
+        primary = [(u.pw_name, u.pw_uid) for u in pwd.getpwall() if u.pw_gid == gid]
+    except (ImportError, KeyError):
+        return [], [], None
+    return primary, members, (owner.pw_name, owner.pw_gid)
 
 
 def _ancestors(path):

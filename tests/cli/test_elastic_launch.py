@@ -170,14 +170,16 @@ def test_ringtrain_train_resumes_at_the_size_the_hosts_allow(tmp_path):
 def test_a_plain_program_stopped_for_a_host_change_is_restarted_not_blamed(tmp_path):
     # A program that neither uses hvd.elastic nor starts MPI is stopped with SIGUSR1 when the hosts
     # change; MPICH's mpiexec reports such a rank as status 10 (the bare signal), not 138.
-    hosts, done = tmp_path / "hosts", tmp_path / "done"
+    # One mark per rank, and the hosts change only once both ranks sleep: under load a rank that starts late
+    # would find a shared mark and exit 0, or meet the SIGUSR1 before its program runs.
+    hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    program = f"test -e {done} && exit 0; touch {done}; sleep 60"
+    program = f"m={tmp_path}/done-${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}; test -e $m && exit 0; touch $m; sleep 60"
     proc = subprocess.Popen(elastic_launch(hosts, "-np", "2", "--min-np", "1", "--", "sh", "-c", program),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT,
                             start_new_session=True)
-    deadline = time.time() + 30
-    while not done.exists() and time.time() < deadline:
+    deadline = time.time() + 60
+    while not all((tmp_path / f"done-{rank}").exists() for rank in (0, 1)) and time.time() < deadline:
         time.sleep(0.2)
     hosts.write_text("localhost:1\n")
     try:

@@ -19,11 +19,14 @@ import pytest
 
 from mpirun import mpirun, ringtrain, run, show
 from mpirun import test_env as job_env
+from ringtrain.cluster.commits import is_owners_own_group
 from ringtrain.io.checkpoint import save_checkpoint
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the program uses hvd.elastic")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user owns needs root")
 NOBODY = 65534
+own_group_alone = pytest.mark.skipif(not is_owners_own_group(os.geteuid(), os.getegid()),
+                                     reason="your primary group has other members, so its write bit is theirs too")
 
 # Commits three steps through hvd.elastic.run, and says where it started.
 PROGRAM = """
@@ -116,6 +119,16 @@ def shared_parent(tmp_path, mode=0o777, owner=None):
     return shared
 
 
+def shared_group():
+    """A group this user may give a directory and that others share: its write bit lets them in."""
+    if os.geteuid() == 0:
+        return NOBODY  # nogroup: not root's own
+    theirs = [gid for gid in os.getgroups() if not is_owners_own_group(os.geteuid(), gid)]
+    if not theirs:
+        pytest.skip("giving a directory a group others share needs root or a second group of yours")
+    return theirs[0]
+
+
 @pytest.mark.parametrize("elastic_flags", [[], ["--min-np", "1"]])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 @pytest.mark.parametrize("made", [False, True])
@@ -155,6 +168,7 @@ def test_a_log_directory_under_a_sticky_one_is_taken(tmp_path):
 @pytest.mark.parametrize("made", [False, True])
 def test_an_elastic_directory_under_one_others_may_write_is_refused_and_nothing_written(tmp_path, made):
     shared = shared_parent(tmp_path, mode=0o775)
+    os.chown(shared, -1, shared_group())
     directory = shared / "elastic"
     if made:
         directory.mkdir(mode=0o700)
@@ -187,10 +201,30 @@ def test_an_elastic_directory_others_may_write_is_refused_and_nothing_written(tm
     directory = tmp_path / "elastic"
     directory.mkdir()
     os.chmod(directory, mode)
+    if mode == 0o770:
+        os.chown(directory, -1, shared_group())
     result = run(elastic(), timeout=60, env=job_env(RINGTRAIN_ELASTIC_DIR=str(directory)))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, show(result)
     assert f"RINGTRAIN_ELASTIC_DIR {directory}: is writable by its group" in result.stderr, show(result)
     assert contents(directory) == []
+
+
+@own_group_alone
+@pytest.mark.parametrize("elastic_flags", [[], ["--min-np", "1"]])
+def test_directories_only_your_own_group_may_write_are_yours(tmp_path, elastic_flags):
+    # umask 002 with a group per user (Debian, Ubuntu, Fedora): a clone, and what you mkdir in it, are 0775.
+    clone = tmp_path / "clone"
+    (clone / "logs").mkdir(parents=True)
+    (clone / "elastic").mkdir()
+    for place in (clone, clone / "logs", clone / "elastic"):
+        os.chmod(place, 0o775)
+    result = run(ringtrain("launch", "-np", "2", *elastic_flags, "-o", str(clone / "logs"), "--", "true"),
+                 timeout=60)
+    assert result.returncode == 0, show(result)
+    assert contents(clone / "logs") == ["rank-0.log", "rank-1.log"], show(result)
+    result = run(elastic(), timeout=60, env=job_env(RINGTRAIN_ELASTIC_DIR=str(clone / "elastic")))
+    assert result.returncode == 0, show(result)
+    assert "commit.key" in contents(clone / "elastic"), show(result)
 
 
 def test_a_commits_entry_that_is_a_link_is_refused_and_nothing_written_through_it(tmp_path):

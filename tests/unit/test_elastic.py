@@ -468,8 +468,43 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     assert C.directory_problem(str(tmp_path)) is None
 
 
+def describe_group(monkeypatch, shared):
+    """The user and group databases as they would read: the user's group theirs alone, or shared with another."""
+    primary = [("me", os.geteuid())] + ([("colleague", os.geteuid() + 4242)] if shared else [])
+    monkeypatch.setattr(C, "_group_users", lambda uid, gid: (primary, [], ("me", gid)))
+
+
+@pytest.mark.parametrize("primary, members, owner, alone", [
+    ([("ann", 1000)], [], ("ann", 1000), True),                    # Debian's user private group
+    ([], ["ann"], ("ann", 1000), True),                            # listed as a member, not as a primary group
+    ([("ann", 1000), ("bob", 1001)], [], ("ann", 1000), False),    # another user's primary group too
+    ([("ann", 1000)], ["bob"], ("ann", 1000), False),              # another member
+    ([("ann", 1000)], [], ("ann", 100), False),                    # not the owner's primary group
+    ([], [], None, False),                                         # an owner the system does not know
+])
+def test_a_group_is_the_owners_own_when_it_is_their_primary_and_holds_nobody_else(primary, members, owner, alone):
+    assert C.owners_own_group(1000, 1000, primary, members, owner) is alone
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o770])
+def test_a_directory_only_its_owners_own_group_may_write_is_the_owners(tmp_path, monkeypatch, mode):
+    # umask 002 with a group per user (Debian, Ubuntu, Fedora): a clone or mkdir there is 0775, and yours alone.
+    (tmp_path / "mine" / "logs").mkdir(parents=True)
+    for place in (tmp_path / "mine", tmp_path / "mine" / "logs"):
+        os.chmod(place, mode)
+    describe_group(monkeypatch, shared=False)
+    assert C.directory_problem(str(tmp_path / "mine" / "logs")) is None
+    assert C.make_private_directory(str(tmp_path / "mine" / "new"), "-o") is None
+    describe_group(monkeypatch, shared=True)
+    assert C.directory_problem(str(tmp_path / "mine" / "logs")) == f"is writable by its group (mode {mode:04o})"
+    with pytest.raises(UsageError, match=f"is under {tmp_path / 'mine'}, which its group may write"):
+        C.make_private_directory(str(tmp_path / "mine" / "other"), "-o")
+    assert not (tmp_path / "mine" / "other").exists()
+
+
 @pytest.mark.parametrize("mode, refused", [(0o777, True), (0o775, True), (0o1777, False), (0o755, False)])
-def test_a_directory_under_one_others_may_write_is_refused_unless_sticky(tmp_path, mode, refused):
+def test_a_directory_under_one_others_may_write_is_refused_unless_sticky(tmp_path, monkeypatch, mode, refused):
+    describe_group(monkeypatch, shared=True)  # so that 0775 lets someone else write
     shared = tmp_path / "shared"
     (shared / "a" / "b").mkdir(parents=True, mode=0o700)
     os.chmod(shared, mode)

@@ -1,6 +1,7 @@
 """The launcher's pure parts: hostfiles in both syntaxes, -H lists, slots, command lines."""
 
 import io
+import os
 import re
 
 import pytest
@@ -165,7 +166,10 @@ def fake_mpi(monkeypatch, tmp_path):
     mpirun.chmod(0o755)
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(L.os, "geteuid", lambda: 1000)
+    # Not root, or Open MPI's run-as-root variables join the printed command; the real user when that is not
+    # root, since -o's checks compare the owner of every directory above it with this uid.
+    user = os.geteuid() or 1000
+    monkeypatch.setattr(L.os, "geteuid", lambda: user)
 
     def use(flavour):
         monkeypatch.setattr(L, "detect_flavour", lambda path: flavour)
