@@ -97,22 +97,38 @@ def reduce_locally(record, inputs, out):
 
     The same arithmetic as the collective path (each input prescaled,
     combined in member order, then postscaled; an average divides after the
-    sum, or before it in half precision), so every member computing a small
-    op itself (:mod:`ringtrain.engine.channel`) gets the same bits.
+    sum, in half precision by multiplying by ``postscale / n``, as Horovod
+    does), so every member computing a small op itself
+    (:mod:`ringtrain.engine.channel`) gets the same bits.
     """
     numpy_dtype = _fast_plan(record)
     if numpy_dtype is not None and out.flags.c_contiguous:
         return _reduce_in_numpy(record, numpy_dtype, inputs, out)
     n = len(inputs)
     op, name = record.op, record.dtype
-    average, half = op == "average", name == "float16"
     total = None
     for x in inputs:
         t = arrays.to_work(_input(x, name), name)
-        t = scale_(t, record.prescale, n if average and half else 1)
+        t = scale_(t, record.prescale, 1)
         total = t if total is None else _combine(total, t, op)
-    total = scale_(total, record.postscale, n if average and not half else 1)
+    total = scale_(total, *_postscale(record, name, n))
     return arrays.from_work(total, name, out)
+
+
+def _postscale(record, work_name, size):
+    """``(factor, divisor)`` applied after the reduction: an average's division is in it (pure).
+
+    Half precision multiplies by ``postscale / size`` (one factor, in
+    float32), as Horovod's CPU path does after summing in half precision,
+    so the mean of equal inputs is what TensorFlow's ``(x * n) / n`` gives;
+    the other types divide by ``size`` in their own type (integers in
+    float64, truncated).
+    """
+    if record.op != "average":
+        return record.postscale, 1
+    if work_name == "float16":
+        return record.postscale / size, 1
+    return record.postscale, size
 
 
 def _reduce_in_numpy(record, numpy_dtype, inputs, out):
@@ -305,11 +321,10 @@ def _allreduce(comm, group):
     else:
         flat = xp.concatenate([arrays.to_work(t, name, copy=False) for t in inputs]) if len(inputs) > 1 else \
             arrays.to_work(inputs[0], name)
-    # Average divides after the sum, except in half precision, where the sum could overflow first.
-    half = work_name == "float16"
-    flat = scale_(flat, record.prescale, size if average and half else 1)
+    # Average divides after the sum (half precision by multiplying: see _postscale).
+    flat = scale_(flat, record.prescale, 1)
     reduce_(comm, flat, "sum" if average else record.op)
-    flat = scale_(flat, record.postscale, size if average and not half else 1)
+    flat = scale_(flat, *_postscale(record, work_name, size))
     results, offset = [], 0
     for (_, entry), t in zip(group, inputs):
         out, n = entry.args[1], t.size
@@ -377,16 +392,16 @@ def _reducescatter(comm, group):
         for r, bs in enumerate(blocks):
             if bs:
                 send[r * width:r * width + counts[r]] = np.concatenate(bs)
-        send = scale_(send, record.prescale, size if average and half else 1)
+        send = scale_(send, record.prescale, 1)
         state_of(comm).transport_for("auto", send.nbytes).reduce_scatter(send, _COMBINE[op])
         mine = send[rank * width:rank * width + counts[rank]]
     else:
         send = np.concatenate([b for bs in blocks for b in bs]).astype(np.float32 if half else work_name)
-        send = scale_(send, record.prescale, size if average and half else 1)
+        send = scale_(send, record.prescale, 1)
         mine = np.empty(counts[rank], dtype=send.dtype)
         comm.Reduce_scatter(send, mine, counts, op=_mpi_op(op, send.dtype.name))
         mine = mine.astype(work_name, copy=False)
-    mine = scale_(mine, record.postscale, size if average and not half else 1)
+    mine = scale_(mine, *_postscale(record, work_name, size))
     results, offset = [], 0
     for (_, entry), t in zip(group, inputs):
         start, count = scatter_rows(t.shape[0], size)[rank]

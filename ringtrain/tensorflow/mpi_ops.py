@@ -15,8 +15,13 @@ collective; the result comes back as new tensors. The contract, as Horovod's:
   TensorFlow would otherwise run independent ops in any order, on several
   threads at once, and a rank's blocked threads could wait on ops its peers
   have not reached. In a TF1 graph a fetch therefore also runs the
-  collectives built before the ones it needs (their outputs unused), and
-  each collective is named by its place in the graph.
+  collectives built before the ones it needs (their outputs unused). Each
+  run of a TF1 graph's collective has a name of its own: the graph's place
+  among the graphs this process has built collectives in, the collective's
+  place in its graph, and how many times it has run (every rank builds and
+  runs the same graphs in the same order), so no run reuses the name of an
+  op still in flight from an earlier graph or fetch (a refused op's name is
+  in flight until every member has heard of it).
 * **Gradients.** Registered as Horovod registers them: an allreduce's is the
   same allreduce of the incoming gradient; an allgather's is this rank's rows
   of the averaged gradient; a broadcast's is the averaged gradient on the
@@ -90,17 +95,30 @@ def _finish(submit):
 # Running an op: eager, or a numpy_function chained after its graph's previous collective.
 
 _LAST = weakref.WeakKeyDictionary()  # graph -> the last collective op built in it
-_COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> collectives built in it so far
+_COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> [its index among this process's graphs, collectives built]
+_GRAPHS = itertools.count(1)  # TF1 graphs that have had a collective built in them
 _EXECUTIONS = itertools.count(1)  # tf.function collectives run so far (they run one at a time, in program order)
 
 
 def _graph_function(run, name):
     """The numpy_function body: the op layer's ops, named as the face chose (see the module docstring)."""
+    runs = itertools.count(1)
+
     def body(*arrays):
         arrays = [np.asarray(a) for a in arrays]
-        with engine.default_name(name if name is not None else f"tf.function.{next(_EXECUTIONS)}"):
+        label = f"{name}.{next(runs)}" if name is not None else f"tf.function.{next(_EXECUTIONS)}"
+        with engine.default_name(label):
             return [np.asarray(a) for a in run(*arrays)]
     return body
+
+
+def _graph_name(graph):
+    """The next TF1 collective's name in ``graph``: ``graph-collective.<graph>.<collective>`` (see the docstring)."""
+    counts = _COUNTS.get(graph)
+    if counts is None:
+        counts = _COUNTS[graph] = [next(_GRAPHS), 0]
+    counts[1] += 1
+    return f"graph-collective.{counts[0]}.{counts[1]}"
 
 
 def _collective(run, inputs, dtypes, shapes=None):
@@ -108,10 +126,7 @@ def _collective(run, inputs, dtypes, shapes=None):
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a) for a in run(*[np.asarray(t.numpy()) for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
-    name = None
-    if not getattr(graph, "building_function", False):
-        _COUNTS[graph] = _COUNTS.get(graph, 0) + 1
-        name = f"graph-collective.{_COUNTS[graph]}"
+    name = None if getattr(graph, "building_function", False) else _graph_name(graph)
     previous = _LAST.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
         outputs = tf.numpy_function(_graph_function(run, name), list(inputs), list(dtypes), stateful=True,

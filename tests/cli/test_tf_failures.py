@@ -37,3 +37,21 @@ def test_an_exception_on_one_rank_ends_the_job_naming_the_rank():
     assert result.returncode != 0, show(result)
     assert "rank 0: RuntimeError: this rank gave up" in result.stderr, show(result)
     assert "wait returned" not in result.stdout, show(result)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tf1_graphs_after_a_refused_op_run_on_every_rank(size):
+    # A rank's refusal stays in flight until every member has heard it: the next graph's collectives,
+    # and each fetch of them, must not reuse its name (they once hung, one rank never submitting).
+    result = run([find_mpirun(), "-np", str(size), sys.executable, PROGRAM, "graphs"], timeout=240,
+                 env=mpirun.test_env())
+    assert result.returncode == 0, show(result)
+    assert result.stdout.count("graphs ok") == size, show(result)
+
+
+def test_a_tf1_graph_op_a_peer_never_submits_ends_the_job_within_the_bound():
+    env = mpirun.test_env()
+    env["RINGTRAIN_TIMEOUT"] = "5"
+    result = run(mpmd(["graph_wait"], ["idle"]), timeout=240, env=env)
+    assert result.returncode != 0, show(result)
+    assert "never.matched" in result.stderr and "wait returned" not in result.stdout, show(result)

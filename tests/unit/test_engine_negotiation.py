@@ -174,7 +174,7 @@ def test_a_small_op_computed_on_the_spot_matches_a_numpy_reduction(dtype, op):
                 want = np.trunc(want)  # integers are averaged in float64 and truncated, as Horovod does
             if op == "average" and dtype in (np.float32, np.float64):
                 want = stacked.sum(0).astype(dtype) / dtype(3)  # the sum, then one division in the dtype
-        # Half precision divides before the sum (so the sum cannot overflow): equal to about its precision.
+        # Half precision sums, then multiplies by 1/3 (as Horovod): equal to about its precision.
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-2 if dtype == np.float16 else 0)
 
 

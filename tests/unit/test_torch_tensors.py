@@ -99,6 +99,6 @@ def test_a_small_op_computed_on_the_spot_matches_a_reference_reduction(dtype, op
         if op == "average" and dtype in (torch.float32, torch.float64):
             kind = np.float32 if dtype == torch.float32 else np.float64
             want = stacked.sum(0).astype(kind) / kind(3)  # the sum, then one division in the dtype
-    # Half precision divides before the sum (so the sum cannot overflow): equal to about its precision.
+    # Half precision sums, then multiplies by 1/3 (as Horovod): equal to about its precision.
     half = dtype in (torch.float16, torch.bfloat16) and op == "average"
     np.testing.assert_allclose(got.to(torch.float64).numpy(), want, rtol=1e-2 if half else 0)
