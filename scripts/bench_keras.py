@@ -230,8 +230,7 @@ def launch(contestant, kind, args):
         envs = [_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
                 for i in range(RANKS)]
     outputs, problem = _run_all(commands, envs, args.launch_timeout)
-    results = [] if outputs is None else [json.loads(line[len(RESULT):]) for out in outputs
-                                          for line in out.splitlines() if line.startswith(RESULT)]
+    results = [] if outputs is None else [r for out in outputs for r in _results(out)]
     if problem is None and len(results) != RANKS:
         problem = f"printed {len(results)} results, expected {RANKS}"
     if problem is not None:
@@ -239,6 +238,16 @@ def launch(contestant, kind, args):
     slowest = [max(block) for block in zip(*(r["blocks"] for r in results))]
     cores = ", ".join(f"{r['cores']:.2f}" for r in sorted(results, key=lambda r: r["rank"]))
     return statistics.median(BATCH * RANKS * args.steps / t for t in slowest), cores
+
+
+def _results(output):
+    """Every ``RESULT {...}`` in ``output``, even two ranks' lines that reached mpirun's output joined."""
+    decoder, found, at = json.JSONDecoder(), [], output.find(RESULT)
+    while at >= 0:
+        result, end = decoder.raw_decode(output, at + len(RESULT))
+        found.append(result)
+        at = output.find(RESULT, end)
+    return found
 
 
 def _load():
