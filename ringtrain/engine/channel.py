@@ -72,6 +72,10 @@ class Channel:
             new, self._queue = self._queue, []
         return new
 
+    def queued(self):
+        """Whether ops are queued, not yet announced (a hint: another thread may be adding one)."""
+        return bool(self._queue)
+
     def closing_reason(self):
         """Why the set is closing, while it is and has not closed; else None."""
         return self._closing if self.closed is None else None

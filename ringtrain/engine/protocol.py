@@ -49,6 +49,7 @@ TAG = 7
 ALONE_TAG = 8       # an announcement sent alone (Protocol.run_alone), raw: _ALONE's fields, the key, the data
                     # (from the next multiple of 8 bytes)
 _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
+_KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
 RUN = "run"
 _NONE = (None, None)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
@@ -263,7 +264,8 @@ class Protocol:
         message.Recv([raw, self._byte])
         rank, record_id, length = _ALONE.unpack_from(raw)
         end = _ALONE.size + length
-        return "a", (rank, [(raw[_ALONE.size:end].decode(), record_id, None, None, memoryview(raw)[_aligned(end):])])
+        name = raw[_ALONE.size:end].decode(errors="surrogatepass")
+        return "a", (rank, [(name, record_id, None, None, memoryview(raw)[_aligned(end):])])
 
     def _act(self, kind, body, now):
         """Act on one message from a member."""
@@ -284,7 +286,8 @@ class Protocol:
         """Whether ``entry``, the only op queued, may take :meth:`run_alone`: a small allreduce on an idle set."""
         return (entry.local and entry.kind == "allreduce" and self._others and not self._mine and not self._ordered
                 and not self._to_order and not self._answers and not self._failed_joined and not len(self._board)
-                and self.engine.timeline is None and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record)
+                and self.engine.timeline is None and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record
+                and len(entry.key) <= _KEY_CHARS)
 
     def run_alone(self, entry, spin, patience):
         """Announce ``entry`` and compute it from the members' announcements, skipping the board: True when done.
@@ -302,13 +305,33 @@ class Protocol:
         """
         key, record = entry.key, entry.record
         self._send_alone(key, self._record_ids[id(record)][1], kernels.raw_bytes(entry.args[0]))
-        got, read, start = {}, [], time.monotonic()
+        got, read = {self.rank: (entry.args[0], record)}, []
+        try:
+            heard = self._hear_alone(key, record, got, read, spin, patience)
+        except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it)
+            self._join_general(entry, read)
+            raise
+        if heard:
+            self._finish_alone(entry, got)
+            return True
+        self._join_general(entry, read)
+        return False
+
+    def _hear_alone(self, key, record, got, read, spin, patience):
+        """Read members' messages into ``read`` and their data for ``key`` into ``got``: True once every member's is.
+
+        Stops (False) at the first message that is not a member's lone
+        announcement of ``key`` with ``record``, after ``patience`` seconds, or
+        as soon as another op is queued here (it must be announced, and the
+        channel's thread cannot while this one drives).
+        """
+        start = time.monotonic()
         while True:
             message = self._next_message()
             if message is None:
                 waited = time.monotonic() - start
-                if waited > patience:
-                    break
+                if waited > patience or self.channel.queued():
+                    return False
                 if waited > spin:  # (as the general path's driver does: a late peer may need this core)
                     os.sched_yield()
                 continue
@@ -316,25 +339,26 @@ class Protocol:
             kind, body = message
             theirs = self._matching(kind, body, key, record)
             if theirs is None or body[0] in got:
-                break
+                return False
             got[body[0]] = theirs
-            if len(got) == len(self._others):
-                got[self.rank] = entry.args[0]
-                try:
-                    result = kernels.run_local(record, [got[r] for r in self.ranks], entry.args[1])
-                except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-                    self._complete(entry, error=_as_runtime_error(exc))
-                else:
-                    self._complete(entry, result)
-                if self._sends:
-                    self._sends = [r for r in self._sends if not r.Test()]
+            if len(got) == len(self.ranks):
                 return True
-        self._join_general(entry, read)
-        return False
+
+    def _finish_alone(self, entry, got):
+        """Compute ``entry`` from every member's data, with the first member's record (as the verdict picks it)."""
+        record = got[self.ranks[0]][1]  # (equal to every other, but equal is not the same: -0.0 == 0.0)
+        try:
+            result = kernels.run_local(record, [got[r][0] for r in self.ranks], entry.args[1])
+        except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
+            self._complete(entry, error=_as_runtime_error(exc))
+        else:
+            self._complete(entry, result)
+        if self._sends:
+            self._sends = [r for r in self._sends if not r.Test()]
 
     def _send_alone(self, key, record_id, data):
         """Announce one small op to every member as :meth:`_announce` would, raw (no pickling: half the cost)."""
-        name = key.encode()
+        name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
         padding = bytes(_aligned(_ALONE.size + len(name)) - _ALONE.size - len(name))
         raw = b"".join((_ALONE.pack(self.rank, record_id, len(name)), name, padding, data))
         for r in self._others:
@@ -343,7 +367,8 @@ class Protocol:
                 self._sends.append(request)
 
     def _matching(self, kind, body, key, record):
-        """A member's data for op ``key`` if ``(kind, body)`` announces just that op with ``record``, else None."""
+        """``(data, their record)`` if ``(kind, body)`` is a member's lone announcement of ``key`` with a record
+        equal to ``record``, else None."""
         if kind != "a" or len(body[1]) != 1:
             return None
         theirs, record_id, sent, info, data = body[1][0]
@@ -351,16 +376,16 @@ class Protocol:
             return None
         known = self._records.get(body[0], {}).get(record_id)
         if known is record:
-            return data
+            return data, known
         kept = self._matched.get((body[0], record_id))
         if kept is not None and kept[0] is known and kept[1] is record:
-            return data
+            return data, known
         if known is None or known != record:
             return None
         if len(self._matched) >= 4096:
             self._matched.clear()
         self._matched[(body[0], record_id)] = (known, record)  # both kept alive: their ids are not reused
-        return data
+        return data, known
 
     def _join_general(self, entry, read):
         """``entry``, announced by :meth:`run_alone`, and the messages it read, where :meth:`step` puts them."""

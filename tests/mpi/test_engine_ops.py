@@ -138,3 +138,14 @@ def test_a_record_that_changes_after_a_warm_loop_is_a_mismatch_on_every_rank():
     with pytest.raises(engine.CollectiveMismatchError, match="ranks submitted different"):
         engine.synchronize(engine.allreduce_async(a, name="warm", out=a, prescale_factor=factor))
     np.testing.assert_array_equal(engine.synchronize(engine.allreduce_async(a, name="warm", out=a)), 1.0)
+
+
+@pytest.mark.mpi
+def test_names_that_do_not_fit_a_raw_announcement_still_reduce():
+    # A name with a lone surrogate (as os.fsdecode makes of an undecodable byte) and one too long for the
+    # raw announcement's length field: a loop of each must give MPI's sums, whichever path it takes.
+    for name in ("path-\udcff", "n" * 20000):
+        for step in range(5):
+            a = _values((8,), step * SIZE + RANK)
+            got = engine.synchronize(engine.allreduce_async(a.copy(), name=name, op=engine.Sum))
+            np.testing.assert_array_equal(got, _everyone(a).sum(0), err_msg=f"{name[:8]} step {step}")
