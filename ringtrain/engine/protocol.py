@@ -357,7 +357,7 @@ class Protocol:
             self._sends = [r for r in self._sends if not r.Test()]
 
     def _send_alone(self, key, record_id, data):
-        """Announce one small op to every member as :meth:`_announce` would, raw (no pickling: half the cost)."""
+        """Announce one small op to every member as :meth:`_announce` would, raw (no pickling)."""
         name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
         padding = bytes(_aligned(_ALONE.size + len(name)) - _ALONE.size - len(name))
         raw = b"".join((_ALONE.pack(self.rank, record_id, len(name)), name, padding, data))
