@@ -103,6 +103,21 @@ def test_ringtrains_bound_names_the_users_op_and_the_missing_rank_and_ends_the_j
     assert set(lines) <= {str(r) for r in range(np) if r != 1} and lines, show(result)
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_rank_that_raises_or_never_comes_after_a_loop_of_lone_ops_ends_the_job_naming_it(np):
+    # The loop's ops run alone on every rank (no board); the failing op then takes the general path,
+    # which must still fail it naming rank 1 (raise), or end the job at the bound (never comes).
+    result = job(np, "alone-raise")
+    assert result.returncode != 0, show(result)
+    found = failures(result, "loss")
+    assert sorted(found) == [r for r in range(np) if r != 1], show(result)
+    assert all("rank 1 raised RuntimeError: boom on purpose" in m for m in found.values()), show(result)
+    result = job(np, "alone-bound", timeout=60, RINGTRAIN_TIMEOUT="5")
+    assert result.returncode != 0, show(result)
+    assert re.search(r"rank [02]: allreduce 'loss' did not finish within 5s; rank\(s\) \[1\] have not submitted it",
+                     result.stderr), show(result)
+
+
 # --- helpers that run around the engine: broadcast_parameters, the optimizer's reductions, hvd.elastic ---
 
 def test_a_rank_that_exits_in_backward_fails_a_later_helper_and_ends_a_rank_stuck_in_its_reduction():

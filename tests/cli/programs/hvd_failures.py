@@ -144,6 +144,16 @@ def exit_elastic():
     train(state)
 
 
+def alone(case):
+    """A loop of blocking small ops, each run alone (the engine's fast path), then rank 1 fails its next one."""
+    for _ in range(20):
+        hvd.allreduce_(torch.ones(2), name="loss")
+    if hvd.rank() == 1:
+        late_rank(case)
+        return
+    attempt("loss", lambda: hvd.allreduce_(torch.ones(2), name="loss"))
+
+
 def main(case):
     if case == "stall":
         os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="5")
@@ -159,6 +169,8 @@ def main(case):
     if case == "bound-optimizer":
         model, optimizer = model_and_optimizer()
         return train_step(model, optimizer, pause=120 if hvd.rank() == 1 else 0)
+    if case.startswith("alone-"):
+        return alone(case[len("alone-"):])
     hvd.allreduce(torch.ones(2), name="warm-up")
     if case == "shutdown":  # a name of each rank's own: it never completes
         MINE.append(hvd.allreduce_async(torch.ones(2), name=f"mine.{hvd.rank()}"))
