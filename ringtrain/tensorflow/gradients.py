@@ -160,17 +160,24 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
     return tape
 
 
+def layers_list(local_layers):
+    """``local_layers`` (None, one layer, or a list or tuple of them) as a list; ValueError, as Horovod's, for a
+    value that is no layer."""
+    if local_layers is None:
+        return []
+    if not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    if not all(hasattr(layer, "trainable_weights") for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    return list(local_layers)
+
+
 def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802 - Horovod's name
                                    compression=Compression.none, sparse_as_dense=False, op=Average,
                                    gradient_predivide_factor=1.0, num_groups=0, groups=None,
                                    process_set=global_process_set, local_layers=None, scale_local_gradients=True):
     """A :func:`DistributedGradientTape` that keeps the gradients of ``local_layers``' weights local."""
-    if local_layers is None:
-        local_layers = []
-    elif not isinstance(local_layers, (list, tuple)):
-        local_layers = [local_layers]
-    if not all(hasattr(layer, "trainable_weights") for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    local_layers = layers_list(local_layers)
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
     for layer in local_layers:

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from .compression import Compression
 from .aggregation import LocalGradientAggregator, check_backward_passes
-from .gradients import check_arguments, make_allreduce_grads_fn, reduce_with_locals, source_key
+from .gradients import check_arguments, layers_list, make_allreduce_grads_fn, reduce_with_locals, source_key
 from .mpi_ops import Average, Sum, global_process_set
 
 __all__ = ["DistributedKerasOptimizer", "DistributedOptimizer", "PartialDistributedOptimizer", "CallableList"]
@@ -172,12 +172,7 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
     """
     if op not in (Average, Sum):
         raise ValueError("op currently only supports Average and Sum")
-    if local_layers is None:
-        local_layers = []
-    elif not isinstance(local_layers, (list, tuple)):
-        local_layers = [local_layers]
-    if not all(hasattr(layer, "trainable_weights") for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    local_layers = layers_list(local_layers)
     wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                    gradient_predivide_factor, op, groups=groups, process_set=process_set,
                                    scale_local_gradients=scale_local_gradients)
