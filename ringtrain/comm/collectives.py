@@ -55,12 +55,12 @@ from .plans import small_plan
 from .policy import SMALL_BYTES, transport_choice
 from .staging import download, pinned_like, upload
 
-__all__ = ["allreduce", "allreduce_", "broadcast_", "reduce_flat", "is_writeable"]
+__all__ = ["allreduce", "allreduce_", "broadcast_", "reduce_flat", "reduce_into", "is_writeable"]
 
 NO_PROBLEM = (Problem.NONE, None)
 
 
-def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem=NO_PROBLEM):
+def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem=NO_PROBLEM, source=None):
     """Reduce the 1-D contiguous ``flat`` in place across ``state.comm`` (collective).
 
     The one path every reduction takes (the allreduce, each bucket of
@@ -68,18 +68,24 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
     :class:`~ringtrain.comm.reducer.Reducer`): the header check, then the
     small-message exchange or the transport. ``problem`` is a
     ``(Problem, message)`` the caller already found in its own arguments.
+    ``source``: the values to reduce, when they are not ``flat``'s (an array
+    like it, left untouched): the bandwidth path on the host reads them
+    where they are, the others copy them into ``flat`` first.
     """
     code, message = problem if problem[0] else check_local(flat, op, algorithm)
+    gpu = backend.is_gpu_array(flat)
+    small = code == 0 and algorithm == "auto" and flat.nbytes <= SMALL_BYTES
+    if source is not None and (state.size == 1 or small or gpu or code):
+        flat[...] = source
+        source = None
     if state.size == 1:
         if code:
             raise UsageError(f"{who}: {message}", everywhere=True)
         return flat
     dtype = flat.dtype
-    gpu = backend.is_gpu_array(flat)
     header = (code, narrays, DTYPE_CODE.get(dtype, 0), flat.size, code_of(OP_CODE, op),
               code_of(ALGORITHM_CODE, algorithm), 0, signature, int(gpu))
     combine = COMBINE.get(op) if code == 0 else None
-    small = code == 0 and algorithm == "auto" and flat.nbytes <= SMALL_BYTES
     # float16 sums overflow easily: divide first (as PyTorch DDP does) for fp16 only;
     # wider floats divide last, which is more accurate.
     predivide = code == 0 and op == "mean" and dtype == np.float16
@@ -113,21 +119,22 @@ def reduce_flat(state, who, flat, op, algorithm, narrays=1, signature=0, problem
     if gpu:
         _reduce_gpu(state, flat, op, algorithm, predivide)
     else:
-        _reduce_large(state, flat, op, algorithm, predivide)
+        _reduce_large(state, flat, op, algorithm, predivide, source=source)
     return flat
 
 
-def _reduce_large(state, flat, op, algorithm, predivide, transport=None):
-    """The bandwidth path after the header check: the transport the size policy picks."""
+def _reduce_large(state, flat, op, algorithm, predivide, transport=None, source=None):
+    """The bandwidth path after the header check: the transport the size policy picks (reading ``source``)."""
     xp = backend.get_array_module(flat)
     if predivide:
-        xp.divide(flat, state.size, out=flat)
+        xp.divide(flat if source is None else source, state.size, out=flat)
+        source = None
     backend.synchronize(flat)
     transport = transport or state.transport_for(algorithm, flat.nbytes, backend.device_of(flat))
     if transport is None:
         raise UsageError("transport 'shm' needs every rank on one host; use 'auto', 'ring' or 'hierarchical'",
                          everywhere=True)
-    transport.allreduce(flat, COMBINE[op])
+    transport.allreduce(flat, COMBINE[op], source)
     if op == "mean" and not predivide:
         xp.divide(flat, state.size, out=flat)
     # CUDA IPC's allgather copies are still queued when the transport returns:
@@ -243,9 +250,21 @@ def allreduce(state, x, op="mean", comm=None, transport="auto", algorithm=None):
     """
     algorithm = transport_choice(transport, algorithm, "allreduce")
     xp = backend.get_array_module(x)
-    result = xp.array(x, copy=True, order="C")
-    reduce_flat(state, "allreduce", result.reshape(-1), op, algorithm)
+    source = xp.asarray(x, order="C")
+    result = xp.empty_like(source)
+    reduce_flat(state, "allreduce", result.reshape(-1), op, algorithm, source=source.reshape(-1))
     return result
+
+
+def reduce_into(out, x, op="mean", comm=None):
+    """:func:`allreduce_` of ``x`` written into ``out`` (``x`` untouched): both 1-D, C-contiguous and alike.
+
+    Collective, with :func:`allreduce_`'s contract. For a caller whose
+    output already exists (the engine's allreduce into a new tensor): the
+    bandwidth path reads ``x`` where it is instead of copying it in first.
+    """
+    guard = guard_of(comm)
+    return guard.call("allreduce_", reduce_flat, guard.state, "allreduce_", out, op, "auto", source=x)
 
 
 @collective("broadcast_")

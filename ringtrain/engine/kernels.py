@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from ..comm import allreduce_
+from ..comm.collectives import reduce_into
 from ..comm.state import state_of
 from . import arrays
 from .arrays import RING_DTYPES
@@ -355,13 +356,13 @@ def _allreduce_one(comm, decision, entry):
             or record.dtype not in _NUMPY_FAST or record.device != "cpu" or not out.flags.c_contiguous):
         return None
     flat = out.reshape(-1)
-    if array is not out:
-        np.copyto(flat, array.reshape(-1))
+    library_op = "sum" if op == "average" else op
+    if array is out:
+        allreduce_(flat, op=library_op, comm=comm)
+    else:  # into a new array: read where the input is, not copied into out first
+        reduce_into(flat, array.reshape(-1), op=library_op, comm=comm)
     if op == "average":
-        allreduce_(flat, op="sum", comm=comm)
         np.divide(flat, flat.dtype.type(comm.Get_size()), out=flat)  # in the array's own dtype, as the general path
-    else:
-        allreduce_(flat, op=op, comm=comm)
     return out
 
 

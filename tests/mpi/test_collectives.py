@@ -15,6 +15,8 @@ from ringtrain import backend
 from ringtrain.comm import allreduce, allreduce_, allreduce_many_, broadcast_
 from ringtrain.comm.policy import SMALL_BYTES
 from ringtrain.comm.board import Board
+from ringtrain.comm.collectives import reduce_into
+from ringtrain.comm.transports.shm import HALF_BYTES
 from ringtrain.comm.state import CommState, release
 from ringtrain.errors import MismatchError, UsageError
 
@@ -118,6 +120,27 @@ def test_in_place_and_out_of_place(xp):
     assert np.array_equal(backend.to_numpy(y), backend.to_numpy(z))
     assert close(strided, want, np.float64)
     assert np.array_equal(backend.to_numpy(big)[1::2], untouched)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("n", [SMALL_BYTES // 4 + 11, HALF_BYTES // 4 + 13], ids=["large", "several-rounds"])
+@pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float16, "mean")])
+def test_a_new_result_reads_the_input_where_it_is_and_equals_in_place_bitwise(algorithm, n, dtype, op):
+    # allreduce() and reduce_into() reduce from the input into another array (the
+    # shared-memory window and MPI without copying it in first; float16's mean divides first).
+    x = data(n, dtype)
+    kept = x.copy()
+    new = allreduce(x, op, comm, transport=algorithm)
+    in_place = allreduce_(x.copy(), op, comm, transport=algorithm)
+    into = np.full_like(x, np.nan)
+    reduce_into(into, x, op, comm)
+    auto = allreduce_(x.copy(), op, comm)
+    want = reference(x, op)
+    everywhere = same_everywhere(new)
+    assert np.array_equal(x, kept)
+    assert np.array_equal(new, in_place) and np.array_equal(into, auto)
+    assert close(new, want, dtype) and everywhere
 
 
 @pytest.mark.mpi

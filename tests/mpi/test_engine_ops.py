@@ -55,6 +55,23 @@ def test_allreduce_in_place_into_out_and_new_in_any_order():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("op", [engine.Sum, engine.Average])
+def test_a_lone_large_allreduce_into_out_leaves_its_input_and_equals_in_place(op):
+    # The bandwidth path of a lone op reads the input where it is when the result goes elsewhere.
+    values = _values((1 << 18) + 5, RANK + 7)  # above the small-op bytes: the transport, not the announcement
+    kept = values.copy()
+    out = np.full_like(values, np.nan)
+    into = engine.synchronize(engine.allreduce_async(values, name="into", op=op, out=out))
+    new = engine.synchronize(engine.allreduce_async(values, name="new", op=op))
+    in_place = engine.synchronize(engine.allreduce_async(values.copy(), name="in-place", op=op))
+    want = _everyone(kept).sum(0)
+    assert into is out and np.array_equal(values, kept)
+    np.testing.assert_array_equal(into, in_place)
+    np.testing.assert_array_equal(new, in_place)
+    np.testing.assert_allclose(in_place, want / SIZE if op == engine.Average else want, rtol=1e-6)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16, np.float64, np.bool_])
 def test_every_op_of_every_dtype_matches_numpy(dtype):
     values = _values((4, 2), RANK + 1, np.float64)

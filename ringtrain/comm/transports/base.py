@@ -68,8 +68,15 @@ class Transport:
         """Copy every rank's chunk of the 1-D ``x`` to every rank, in place (collective)."""
         raise NotImplementedError
 
-    def allreduce(self, x, combine=np.add):
-        """Reduce the whole 1-D ``x`` over every rank, in place (collective); returns ``x``."""
+    def allreduce(self, x, combine=np.add, source=None):
+        """Reduce the whole 1-D ``x`` over every rank, in place (collective); returns ``x``.
+
+        ``source``: the values to reduce when they are not ``x``'s (an array
+        like ``x``, left untouched; ``x`` is then only written). A transport
+        that can read them where they are skips this copy in.
+        """
+        if source is not None:
+            x[...] = source
         self.reduce_scatter(x, combine)
         self.allgather(x)
         return x
@@ -110,7 +117,9 @@ class LocalTransport(Transport):
     def allgather(self, x):
         pass
 
-    def allreduce(self, x, combine=np.add):
+    def allreduce(self, x, combine=np.add, source=None):
+        if source is not None:
+            x[...] = source
         return x
 
     def sum_small(self, values):

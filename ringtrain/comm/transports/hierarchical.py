@@ -148,9 +148,11 @@ class HierarchicalTransport(Transport):
             ring_allgather(self.across, x[a:b], chunk_bounds(b - a, self.across.Get_size()))
         self.local.allgather(x)
 
-    def allreduce(self, x, combine=np.add):
+    def allreduce(self, x, combine=np.add, source=None):
         if self.two_phase:
-            return super().allreduce(x, combine)
+            return super().allreduce(x, combine, source)
+        if source is not None:
+            x[...] = source
         stages = self._stages_for(x)
         return hierarchical_reduce(self.comm, x, getattr(get_array_module(x), combine.__name__), stages,
                                    stages[0].size)

@@ -54,7 +54,8 @@ class MpiTransport(Transport):
         bounds, counts, datatype = self._spec(x)
         self.comm.Allgatherv(self.MPI.IN_PLACE, [x, counts, bounds[:-1], datatype])
 
-    def allreduce(self, x, combine=np.add):
+    def allreduce(self, x, combine=np.add, source=None):
         datatype = self.MPI.Datatype.fromcode(np.dtype(x.dtype).char)
-        self.comm.Allreduce(self.MPI.IN_PLACE, [x, datatype], self._ops[combine])
+        send = self.MPI.IN_PLACE if source is None else [source, datatype]
+        self.comm.Allreduce(send, [x, datatype], self._ops[combine])
         return x

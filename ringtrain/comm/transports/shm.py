@@ -111,7 +111,7 @@ def gather_piece(x, regions, bounds, k, piece, rank):
             x[a:b] = regions[owner][owner][:b - a]
 
 
-def sum_in_rank_order(chunk, contribution, rank, size, combine, scratch=None):
+def sum_in_rank_order(chunk, contribution, rank, size, combine, scratch=None, mine=None):
     """``chunk`` (this rank's own values) becomes rank 0's values combined with rank 1's, ..., in rank order (pure).
 
     Every element is combined in the same order whoever owns it, so the
@@ -120,16 +120,24 @@ def sum_in_rank_order(chunk, contribution, rank, size, combine, scratch=None):
     over the whole buffer give the same bits at any rank count.
     ``contribution(peer)`` is that peer's values for ``chunk``; ``scratch``,
     an array like ``chunk`` that no peer reads, holds the running partial
-    of the ranks before this one (needed from rank 2 on).
+    of the ranks before this one (needed from rank 2 on). ``mine``: this
+    rank's values when they are not in ``chunk`` (which then gets only the result).
     """
-    if rank == 1:
-        combine(contribution(0), chunk, out=chunk)  # a + b is b + a, bitwise
-    elif rank > 1:
+    own = chunk if mine is None else mine
+    first = rank + 1
+    if rank == 0 and size > 1:
+        combine(own, contribution(1), out=chunk)
+        first = 2
+    elif rank == 0:
+        chunk[...] = own
+    elif rank == 1:
+        combine(contribution(0), own, out=chunk)  # a + b is b + a, bitwise
+    else:
         combine(contribution(0), contribution(1), out=scratch)
         for peer in range(2, rank):
             combine(scratch, contribution(peer), out=scratch)
-        combine(scratch, chunk, out=chunk)
-    for peer in range(rank + 1, size):
+        combine(scratch, own, out=chunk)
+    for peer in range(first, size):
         combine(chunk, contribution(peer), out=chunk)
     return chunk
 
@@ -209,12 +217,12 @@ class WindowTransport(Transport):
         self._base = half * self.arena.half
         return regions
 
-    def _sum(self, chunk, contribution, combine):
+    def _sum(self, chunk, contribution, combine, mine=None):
         # The running partial of the lower ranks' values is private: no peer may read it mid-sum.
         if self.rank > 1 and (self._partial is None or self._partial.nbytes < chunk.nbytes):
             self._partial = np.empty(chunk.nbytes, np.uint8)
         scratch = self._partial[:chunk.nbytes].view(chunk.dtype) if self.rank > 1 else None
-        sum_in_rank_order(chunk, contribution, self.rank, self.size, combine, scratch)
+        sum_in_rank_order(chunk, contribution, self.rank, self.size, combine, scratch, mine)
 
     def reduce_scatter(self, x, combine=np.add):
         peers = self._peers(x)
@@ -246,25 +254,30 @@ class WindowTransport(Transport):
             self.arena.sync()
             gather_piece(x, regions, bounds, k, piece, self.rank)
 
-    def allreduce(self, x, combine=np.add):
+    def allreduce(self, x, combine=np.add, source=None):
         if self._peers(x) is not None:
-            return super().allreduce(x, combine)
+            return super().allreduce(x, combine, source)
         bounds, piece, rounds = round_plan(x.size, x.itemsize, self.size, self.arena.half)
         for k in range(rounds):
-            regions, (a, b) = self._reduce_round(x, bounds, k, piece, combine)
+            # From source (when given) straight into x: no pass copies it in first.
+            regions, (a, b) = self._reduce_round(x, bounds, k, piece, combine, source)
             # My own region of this half is free: the peers read only the regions of their chunks.
             regions[self.rank][self.rank][:b - a] = x[a:b]
             self.arena.sync()
             gather_piece(x, regions, bounds, k, piece, self.rank)
         return x
 
-    def _reduce_round(self, x, bounds, k, piece, combine):
-        """Publish round ``k``'s pieces of the peers' chunks, sync, reduce my own piece; ``(regions, my piece)``."""
+    def _reduce_round(self, x, bounds, k, piece, combine, source=None):
+        """Publish round ``k``'s pieces of the peers' chunks, sync, reduce my own piece; ``(regions, my piece)``.
+
+        ``source``: where this rank's values are, when not in ``x`` (which then gets only the result).
+        """
         regions = self._next_half(x.dtype)
-        publish_others(x, regions[self.rank], bounds, k, piece, self.rank)
+        publish_others(x if source is None else source, regions[self.rank], bounds, k, piece, self.rank)
         self.arena.sync()
         a, b = piece_bounds(bounds, self.rank, k, piece)
-        self._sum(x[a:b], lambda peer: regions[peer][self.rank][:b - a], combine)
+        self._sum(x[a:b], lambda peer: regions[peer][self.rank][:b - a], combine,
+                  None if source is None else source[a:b])
         return regions, (a, b)
 
     def sum_small(self, values):
