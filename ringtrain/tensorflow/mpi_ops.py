@@ -206,16 +206,40 @@ def eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process
     tensor's own memory (``_numpy()``, not ``numpy()``'s copy) as the input,
     a new array as the output (so the engine's cached record of the op and
     its path for a blocking small op are taken), and one tensor made from it
-    (on the current device, as ``tf.convert_to_tensor`` makes it).
+    (on the current device, as ``tf.convert_to_tensor`` makes it). On the
+    host that tensor is the array's own memory, handed over by DLPack: making
+    a tensor from an array copies it, and costs more than the op's messages.
     """
     array = tensor._numpy()
     if type(array) is not np.ndarray:  # (a scalar's may be a NumPy scalar)
         array = np.asarray(array)
-    out = np.empty_like(array)
+    out = _aligned_empty(array.shape, array.dtype)
     name = engine.name_or_default(name)
     _finish(lambda: engine.allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out=out))
-    # What tf.convert_to_tensor does with an array, less its defensive copy (nobody else holds out).
-    return _EAGER(out, _context().device_name, None)
+    device = _context().device_name
+    if not device or "device:CPU:" in device:
+        return _from_dlpack(out.__dlpack__())  # (nobody else holds out: the tensor owns it from here)
+    # What tf.convert_to_tensor does with an array, less its defensive copy.
+    return _EAGER(out, device, None)
+
+
+def _aligned_empty(shape, dtype):
+    """An uninitialized C-contiguous array whose data starts on a 64-byte boundary (pure).
+
+    TensorFlow's kernels assume their inputs are aligned so (EIGEN_MAX_ALIGN_BYTES)
+    and abort the process on a tensor that is not; NumPy's allocations need
+    not be, and a tensor handed over by DLPack is used where it lies.
+    """
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.__array_interface__["data"][0] % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+_ALIGN = 64
+_from_dlpack = tf.experimental.dlpack.from_dlpack
 
 
 # Allreduce.
