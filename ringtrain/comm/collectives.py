@@ -257,7 +257,8 @@ def allreduce(state, x, op="mean", comm=None, transport="auto", algorithm=None):
 
 
 def reduce_into(out, x, op="mean", comm=None):
-    """:func:`allreduce_` of ``x`` written into ``out`` (``x`` untouched): both 1-D, C-contiguous and alike.
+    """:func:`allreduce_` of ``x`` written into ``out`` (``x`` untouched): both 1-D, C-contiguous, alike, and
+    not overlapping (MPI's transport passes them as two buffers).
 
     Collective, with :func:`allreduce_`'s contract. For a caller whose
     output already exists (the engine's allreduce into a new tensor): the

@@ -359,6 +359,9 @@ def _allreduce_one(comm, decision, entry):
     library_op = "sum" if op == "average" else op
     if array is out:
         allreduce_(flat, op=library_op, comm=comm)
+    elif np.may_share_memory(array, out):  # (MPI forbids a send buffer that overlaps the receive buffer)
+        np.copyto(flat, array.reshape(-1))
+        allreduce_(flat, op=library_op, comm=comm)
     else:  # into a new array: read where the input is, not copied into out first
         reduce_into(flat, array.reshape(-1), op=library_op, comm=comm)
     if op == "average":
