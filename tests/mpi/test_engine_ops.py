@@ -64,10 +64,13 @@ def test_a_lone_large_allreduce_into_out_leaves_its_input_and_equals_in_place(op
     into = engine.synchronize(engine.allreduce_async(values, name="into", op=op, out=out))
     new = engine.synchronize(engine.allreduce_async(values, name="new", op=op))
     in_place = engine.synchronize(engine.allreduce_async(values.copy(), name="in-place", op=op))
+    aliased = values.copy()
+    view = engine.synchronize(engine.allreduce_async(aliased, name="view", op=op, out=aliased.view()))
     want = _everyone(kept).sum(0)
     assert into is out and np.array_equal(values, kept)
     np.testing.assert_array_equal(into, in_place)
     np.testing.assert_array_equal(new, in_place)
+    np.testing.assert_array_equal(view, in_place)  # an output over the input's own memory: in place
     np.testing.assert_allclose(in_place, want / SIZE if op == engine.Average else want, rtol=1e-6)
 
 
