@@ -55,7 +55,7 @@ from .plans import small_plan
 from .policy import SMALL_BYTES, transport_choice
 from .staging import download, pinned_like, upload
 
-__all__ = ["allreduce", "allreduce_", "broadcast_", "reduce_flat", "reduce_into", "is_writeable"]
+__all__ = ["allreduce", "allreduce_", "broadcast_", "reduce_flat", "is_writeable"]
 
 NO_PROBLEM = (Problem.NONE, None)
 
@@ -260,9 +260,11 @@ def reduce_into(out, x, op="mean", comm=None):
     """:func:`allreduce_` of ``x`` written into ``out`` (``x`` untouched): both 1-D, C-contiguous, alike, and
     not overlapping (MPI's transport passes them as two buffers).
 
-    Collective, with :func:`allreduce_`'s contract. For a caller whose
-    output already exists (the engine's allreduce into a new tensor): the
-    bandwidth path reads ``x`` where it is instead of copying it in first.
+    Collective, with :func:`allreduce_`'s contract for ``out``. For a caller
+    whose output already exists and which has checked the pair itself (the
+    engine's allreduce into a new tensor, whose record every rank agreed
+    on): ``x`` is not checked against ``out`` here. The bandwidth path reads
+    ``x`` where it is instead of copying it in first.
     """
     guard = guard_of(comm)
     return guard.call("allreduce_", reduce_flat, guard.state, "allreduce_", out, op, "auto", source=x)

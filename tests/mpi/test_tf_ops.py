@@ -201,6 +201,9 @@ def test_tape_optimizer_and_objects():
     assert int(hvd.size_op().numpy()) == n and int(hvd.rank_op().numpy()) == r
 
 
+KINDS = (tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.float16, tf.float64)  # besides float32 and bool
+
+
 @pytest.mark.mpi
 def test_a_loop_of_eager_allreduces_keeps_every_promise():
     # The eager loop's op goes straight to the engine (its cached record, its path for a lone op): each
@@ -211,10 +214,11 @@ def test_a_loop_of_eager_allreduces_keeps_every_promise():
     x = tf.constant(np.full(1024, r, np.float32))
     results = [hvd.allreduce(x * float(i), op=hvd.Sum) for i in range(20)]
     kinds = [hvd.allreduce(tf.constant(np.full((3, 5), r + 1), dtype), op=hvd.Sum)
-             for dtype in (tf.int8, tf.int32, tf.int64, tf.float16, tf.float64, tf.uint8)]
+             for dtype in KINDS]
     kernel_sums = [float(tf.reduce_sum(tf.cast(got, tf.float64))) for got in results + kinds]
     scalar = hvd.allreduce(tf.constant(float(r)))
     flags = hvd.allreduce(tf.constant([r == 0, True]), op=hvd.Min)
+    flags_all = bool(tf.reduce_all(flags))  # (a kernel on the bool result)
     watched = tf.constant([1.0, 2.0])
     with tf.GradientTape() as tape:
         tape.watch(watched)
@@ -224,10 +228,10 @@ def test_a_loop_of_eager_allreduces_keeps_every_promise():
     for i, got in enumerate(results):
         np.testing.assert_array_equal(got.numpy(), np.full(1024, i * n * (n - 1) / 2, np.float32))
     assert kernel_sums == [1024 * i * n * (n - 1) / 2 for i in range(20)] + [15 * n * (n + 1) / 2] * len(kinds)
-    assert all(got.dtype == dtype for got, dtype in zip(kinds, (tf.int8, tf.int32, tf.int64, tf.float16,
-                                                                  tf.float64, tf.uint8)))
+    assert all(got.dtype == dtype for got, dtype in zip(kinds, KINDS))
     assert float(scalar) == (n - 1) / 2 and scalar.shape == ()
     np.testing.assert_array_equal(flags.numpy(), [n == 1, True])
+    assert flags_all == (n == 1)
     np.testing.assert_allclose(grad.numpy(), np.full(2, n * (r + 1.0)))  # the Sum of dy (n), times r + 1
     np.testing.assert_array_equal(traced.numpy(), np.full(1024, n - 1, np.float32))
 

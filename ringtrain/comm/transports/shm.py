@@ -125,11 +125,12 @@ def sum_in_rank_order(chunk, contribution, rank, size, combine, scratch=None, mi
     """
     own = chunk if mine is None else mine
     first = rank + 1
-    if rank == 0 and size > 1:
-        combine(own, contribution(1), out=chunk)
-        first = 2
-    elif rank == 0:
-        chunk[...] = own
+    if rank == 0:
+        if size > 1:
+            combine(own, contribution(1), out=chunk)
+            first = 2
+        elif mine is not None:  # (one rank: the result is its own values)
+            chunk[...] = mine
     elif rank == 1:
         combine(contribution(0), own, out=chunk)  # a + b is b + a, bitwise
     else:
