@@ -316,9 +316,8 @@ def _run(launcher, np, env):
             if forwarder.asked_to_checkpoint:
                 launcher.say(not_restarted_line(status).split(": ", 1)[1] + _kept(launcher))
                 return status
-            # A stop the launcher asked for: a commit's 75, or SIGUSR1's end, which MPICH's mpiexec
-            # reports as the bare signal number for a rank that never started MPI.
-            planned = watch.asked and status in (RESTART_STATUS, signal.SIGUSR1, SIGUSR1_STOP)
+            # A stop the launcher asked for (the ranks' exit records are where -o put them, or the job's own).
+            planned = watch.asked and stopped_as_asked(status, read_exit_records(launcher.records, size))
             if not planned and status == SIGUSR1_STOP:  # a SIGUSR1 that reached the ranks, not from here
                 launcher.say(not_restarted_line(status, False).split(": ", 1)[1] + _kept(launcher))
                 return status
@@ -340,6 +339,24 @@ def _run(launcher, np, env):
             need, job = launcher.min_np, job + 1
             if not planned:
                 _sleep(launcher.delay, forwarder)
+
+
+def stopped_as_asked(status, exits):
+    """Whether a job's ``status`` is how the stop the launcher asked for ends it (pure, given the ranks' ``exits``).
+
+    A commit's 75, or SIGUSR1's end: 138 from a program that exits so, or the
+    bare 10 that MPICH's mpiexec reports for a rank the signal killed. mpiexec
+    ORs its ranks' statuses, and kills the ranks still running once one has
+    died of a signal: a rank slower to die of SIGUSR1 (a loaded machine, a
+    program that holds the signal) then reads as SIGKILL's 9, and the job as
+    10 | 9 = 11, SIGSEGV's number too. The ranks' exit records
+    (``{rank: (time, status)}``, written by ``rank_log``) tell the two apart:
+    a stop leaves none but SIGUSR1's and SIGKILL's.
+    """
+    if status in (RESTART_STATUS, signal.SIGUSR1, SIGUSR1_STOP):
+        return True
+    ends = (-signal.SIGUSR1, SIGUSR1_STOP, -signal.SIGKILL, 128 + signal.SIGKILL)
+    return status == signal.SIGUSR1 | signal.SIGKILL and all(code in ends for _, code in exits.values())
 
 
 def _kept(launcher):

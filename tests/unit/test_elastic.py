@@ -545,3 +545,19 @@ def test_notices_and_listening_marks_another_user_owns_are_not_believed(tmp_path
     for name in ("hosts.json", "listening.json"):
         os.chown(tmp_path / name, 65534, 65534)
     assert E.read_notice(str(tmp_path)) is None and not E.is_listening(str(tmp_path), 2)
+
+
+def test_a_stop_the_launcher_asked_for_is_told_from_a_failure_by_the_ranks_exit_records():
+    import signal
+
+    usr1, kill = signal.SIGUSR1, signal.SIGKILL
+    assert E.stopped_as_asked(E.RESTART_STATUS, {})  # a commit's 75
+    assert E.stopped_as_asked(usr1, {0: (1.0, -usr1), 1: (1.0, -usr1)})  # every rank died of the signal
+    assert E.stopped_as_asked(128 + usr1, {0: (1.0, 128 + usr1)})  # a program that exits as SIGUSR1 ends
+    # mpiexec ORs the ranks' statuses, and kills a rank still running once one died of a signal.
+    assert E.stopped_as_asked(usr1 | kill, {0: (1.0, -usr1)})
+    assert E.stopped_as_asked(usr1 | kill, {0: (1.0, -usr1), 1: (1.1, -kill)})
+    # The same number from a rank that crashed is a failure: its record says so.
+    assert not E.stopped_as_asked(usr1 | kill, {0: (1.0, -usr1), 1: (1.1, -signal.SIGSEGV)})
+    assert not E.stopped_as_asked(signal.SIGSEGV | kill, {0: (1.0, -signal.SIGSEGV)})
+    assert not E.stopped_as_asked(1, {0: (1.0, 1)})
