@@ -351,12 +351,16 @@ def stopped_as_asked(status, exits):
     program that holds the signal) then reads as SIGKILL's 9, and the job as
     10 | 9 = 11, SIGSEGV's number too. The ranks' exit records
     (``{rank: (time, status)}``, written by ``rank_log``) tell the two apart:
-    a stop leaves none but SIGUSR1's and SIGKILL's.
+    a stop leaves at least one SIGUSR1 end and no end but SIGUSR1's and
+    SIGKILL's (no records at all prove nothing: a crash is blamed).
     """
     if status in (RESTART_STATUS, signal.SIGUSR1, SIGUSR1_STOP):
         return True
-    ends = (-signal.SIGUSR1, SIGUSR1_STOP, -signal.SIGKILL, 128 + signal.SIGKILL)
-    return status == signal.SIGUSR1 | signal.SIGKILL and all(code in ends for _, code in exits.values())
+    if status != signal.SIGUSR1 | signal.SIGKILL:
+        return False
+    codes = [code for _, code in exits.values()]
+    stopped, killed = (-signal.SIGUSR1, SIGUSR1_STOP), (-signal.SIGKILL, 128 + signal.SIGKILL)
+    return any(code in stopped for code in codes) and all(code in stopped + killed for code in codes)
 
 
 def _kept(launcher):

@@ -561,3 +561,6 @@ def test_a_stop_the_launcher_asked_for_is_told_from_a_failure_by_the_ranks_exit_
     assert not E.stopped_as_asked(usr1 | kill, {0: (1.0, -usr1), 1: (1.1, -signal.SIGSEGV)})
     assert not E.stopped_as_asked(signal.SIGSEGV | kill, {0: (1.0, -signal.SIGSEGV)})
     assert not E.stopped_as_asked(1, {0: (1.0, 1)})
+    # 11 with no records, or with SIGKILL's alone, proves no stop: a crash whose ranks left no word is blamed.
+    assert not E.stopped_as_asked(usr1 | kill, {})
+    assert not E.stopped_as_asked(usr1 | kill, {0: (1.0, -kill), 1: (1.1, -kill)})
