@@ -219,7 +219,7 @@ def allreduce_(x, op="mean", comm=None, transport="auto", algorithm=None):
 def _allreduce_(state, x, op, algorithm):
     """:func:`allreduce_` inside its guard; ``algorithm`` is the transport chosen (the size policy's name)."""
     if state.size > 1 and type(x) is np.ndarray and x.flags.writeable:
-        try:  # small_plan's lookup, written out: one call fewer in a call of a few microseconds
+        try:  # small_plan's lookup written out: the common call, one function call fewer
             plan = state.plans.get((x.dtype, x.shape, op, algorithm))  # (plans.plan_key)
         except TypeError:  # an unhashable op or transport: small_plan turns it away
             plan = None
@@ -256,18 +256,24 @@ def allreduce(state, x, op="mean", comm=None, transport="auto", algorithm=None):
     return result
 
 
-def reduce_into(out, x, op="mean", comm=None):
-    """:func:`allreduce_` of ``x`` written into ``out`` (``x`` untouched): both 1-D, C-contiguous, alike, and
-    not overlapping (MPI's transport passes them as two buffers).
+def reduce_into(out, x, op="mean", comm=None, transport="auto"):
+    """Reduce ``x`` across the ranks of ``comm`` into ``out``, leaving ``x`` untouched; both 1-D and alike.
 
     Collective, with :func:`allreduce_`'s contract for ``out``. For a caller
-    whose output already exists and which has checked the pair itself (the
-    engine's allreduce into a new tensor, whose record every rank agreed
-    on): ``x`` is not checked against ``out`` here. The bandwidth path reads
-    ``x`` where it is instead of copying it in first.
+    whose output already exists and whose arrays every rank agreed on (the
+    engine's allreduce into a new tensor): ``x`` is not checked against
+    ``out`` here. A large ``x`` apart from ``out`` is read where it is, not
+    copied in first; a small one (its data rides with the header, copied in
+    either way) or one that overlaps ``out`` is copied into ``out`` and
+    reduced in place. The choice is this rank's alone, so every transport
+    must run the same exchange either way.
     """
+    xp = backend.get_array_module(out)
+    if out.nbytes <= SMALL_BYTES or xp.may_share_memory(out, x):
+        xp.copyto(out, x)
+        return allreduce_(out, op, comm, transport=transport)
     guard = guard_of(comm)
-    return guard.call("allreduce_", reduce_flat, guard.state, "allreduce_", out, op, "auto", source=x)
+    return guard.call("allreduce_", reduce_flat, guard.state, "allreduce_", out, op, transport, source=x)
 
 
 @collective("broadcast_")

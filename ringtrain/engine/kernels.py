@@ -24,7 +24,6 @@ import numpy as np
 
 from ..comm import allreduce_
 from ..comm.collectives import reduce_into
-from ..comm.policy import SMALL_BYTES
 from ..comm.state import state_of
 from . import arrays
 from .arrays import RING_DTYPES
@@ -360,12 +359,7 @@ def _allreduce_one(comm, decision, entry):
     library_op = "sum" if op == "average" else op
     if array is out:
         allreduce_(flat, op=library_op, comm=comm)
-    elif flat.nbytes <= SMALL_BYTES or np.may_share_memory(array, out):
-        # Small: the data rides with the header, copied in either way (and allreduce_'s path is the quicker);
-        # overlapping: MPI takes no send buffer that overlaps the receive buffer.
-        np.copyto(flat, array.reshape(-1))
-        allreduce_(flat, op=library_op, comm=comm)
-    else:  # into a new array: read where the input is, not copied into out first
+    else:  # into another array: a large input is read where it is, not copied into out first
         reduce_into(flat, array.reshape(-1), op=library_op, comm=comm)
     if op == "average":
         np.divide(flat, flat.dtype.type(comm.Get_size()), out=flat)  # in the array's own dtype, as the general path

@@ -39,6 +39,7 @@ the same order (see :mod:`ringtrain.tensorflow.collectives`).
 """
 
 import itertools
+import math
 import weakref
 
 import numpy as np
@@ -60,6 +61,9 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "rocm_built", "start_timeline", "stop_timeline", "handle_average_backwards_compatibility",
            "check_num_rank_power_of_2", "allreduce_op", "grouped_allreduce_op", "reducescatter_op",
            "grouped_reducescatter_op", "HorovodMismatchError", "HorovodRefusedError"]
+
+_ALIGN = 64  # the boundary TensorFlow's CPU kernels assume of a tensor's data (EIGEN_MAX_ALIGN_BYTES)
+_from_dlpack = tf.experimental.dlpack.from_dlpack
 
 
 class HorovodMismatchError(tf.errors.FailedPreconditionError, engine.HorovodInternalError):
@@ -230,16 +234,10 @@ def _aligned_empty(shape, dtype):
     and abort the process on a tensor that is not; NumPy's allocations need
     not be, and a tensor handed over by DLPack is used where it lies.
     """
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.__array_interface__["data"][0] % _ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-_ALIGN = 64
-_from_dlpack = tf.experimental.dlpack.from_dlpack
 
 
 # Allreduce.

@@ -134,15 +134,42 @@ def test_a_new_result_reads_the_input_where_it_is_and_equals_in_place_bitwise(al
     new = allreduce(x, op, comm, transport=algorithm)
     in_place = allreduce_(x.copy(), op, comm, transport=algorithm)
     into = np.full_like(x, np.nan)
-    if algorithm == "auto":  # (reduce_into takes the size policy's transport)
-        reduce_into(into, x, op, comm)
-    else:
-        into[...] = in_place
+    reduce_into(into, x, op, comm, transport=algorithm)
     want = reference(x, op)
     everywhere = same_everywhere(new)
     assert np.array_equal(x, kept)
     assert np.array_equal(new, in_place) and np.array_equal(into, in_place)
     assert close(new, want, dtype) and everywhere
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("shift", [0, 3, -3], ids=["same", "ahead", "behind"])
+def test_an_output_over_its_own_input_is_reduced_as_a_copy_would_be(algorithm, shift):
+    # reduce_into's output may lie over its input (the engine's allreduce into a view of its own
+    # tensor): the result must be the copy's, on every transport, and MPI must not see two buffers.
+    n = SMALL_BYTES // 4 + 1000
+    memory = data(n + 6, np.float32)
+    x = memory[3:3 + n]
+    want = allreduce_(x.copy(), "sum", comm, transport=algorithm)
+    out = memory[3 + shift:3 + shift + n]
+    reduce_into(out, x, "sum", comm, transport=algorithm)
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.mpi
+def test_a_repeated_small_call_finds_its_plan_without_asking_for_it_again(monkeypatch):
+    # allreduce_ looks its plan up inline, by the key small_plan stores it under: were the two keys
+    # to differ, every call would still be right, only slower, so the lookups are counted here.
+    from ringtrain.comm import collectives
+
+    asked = []
+    real = collectives.small_plan
+    monkeypatch.setattr(collectives, "small_plan", lambda *a, **k: asked.append(1) or real(*a, **k))
+    x = data(100, np.float32)
+    results = [allreduce_(x.copy(), "sum", comm) for _ in range(4)]
+    assert all(np.array_equal(r, results[0]) for r in results)
+    assert len(asked) == (1 if comm.size > 1 else 0)
 
 
 @pytest.mark.mpi

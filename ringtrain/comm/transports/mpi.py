@@ -55,7 +55,10 @@ class MpiTransport(Transport):
         self.comm.Allgatherv(self.MPI.IN_PLACE, [x, counts, bounds[:-1], datatype])
 
     def allreduce(self, x, combine=np.add, source=None):
+        # MPI asks for IN_PLACE at every rank or at none, and whether a rank reduces from a source of its
+        # own is its choice alone (reduce_into): every rank copies its source in and passes IN_PLACE.
+        if source is not None:
+            x[...] = source
         datatype = self.MPI.Datatype.fromcode(np.dtype(x.dtype).char)
-        send = self.MPI.IN_PLACE if source is None else [source, datatype]
-        self.comm.Allreduce(send, [x, datatype], self._ops[combine])
+        self.comm.Allreduce(self.MPI.IN_PLACE, [x, datatype], self._ops[combine])
         return x
