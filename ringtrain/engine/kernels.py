@@ -329,7 +329,7 @@ def _allreduce(comm, group):
     results, offset = [], 0
     for (_, entry), t in zip(group, inputs):
         out, n = entry.args[1], t.size
-        if not (len(group) == 1 and _same_memory(out.reshape(-1), flat) and out.size == flat.size):
+        if not (len(group) == 1 and _same_memory(out, flat)):
             arrays.from_work(flat[offset:offset + n], name, out)
         offset += n
         results.append(out)
@@ -338,8 +338,12 @@ def _allreduce(comm, group):
 
 
 def _same_memory(a, b):
-    """Whether two arrays start at the same address (one is the other, or a view of it)."""
-    return _address(a) == _address(b)
+    """Whether two arrays are the same elements in the same order (one is the other, or a contiguous view of it).
+
+    A start address alone does not say so: a strided or transposed view of
+    an output starts where the output does and holds other elements.
+    """
+    return _address(a) == _address(b) and a.size == b.size and a.flags.c_contiguous and b.flags.c_contiguous
 
 
 def _address(a):

@@ -79,6 +79,33 @@ def test_a_lone_large_allreduce_into_out_leaves_its_input_and_equals_in_place(op
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float16])
+@pytest.mark.parametrize("layout", ["strided", "transposed"])
+@pytest.mark.parametrize("n", [4, 40_000], ids=["small", "large"])
+def test_an_input_laid_over_its_output_from_the_same_address_is_read_before_it_is_overwritten(dtype, layout, n):
+    # The input starts where the output does and holds other elements (every other one, or the
+    # transpose): it must be read as it was, not taken for the output itself.
+    side = int(n ** 0.5)
+    memory = (np.arange(2 * n) % 7 + RANK).astype(dtype)
+    if layout == "strided":
+        x, out = memory[0::2][:n], memory[:n]
+    else:
+        out = memory[:side * side].reshape(side, side)
+        x = out.T
+    kept = x.copy()
+    got = engine.synchronize(engine.allreduce_async(x, name="laid-over", op=engine.Sum, out=out))
+    broadcast = (np.arange(2 * n) % 5 + RANK).astype(dtype)
+    root_view = broadcast[0::2][:n] if layout == "strided" else broadcast[:side * side].reshape(side, side).T
+    root_kept = COMM.bcast(root_view.copy(), root=0)
+    cast = engine.synchronize(engine.broadcast_async(root_view, 0, name="laid-over-b", out=(
+        broadcast[:n] if layout == "strided" else broadcast[:side * side].reshape(side, side))))
+    want = _everyone(kept).sum(0, dtype=np.float64).astype(dtype)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cast, root_kept)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16, np.float64, np.bool_])
 def test_every_op_of_every_dtype_matches_numpy(dtype):
     values = _values((4, 2), RANK + 1, np.float64)
