@@ -564,3 +564,14 @@ def test_a_stop_the_launcher_asked_for_is_told_from_a_failure_by_the_ranks_exit_
     # 11 with no records, or with SIGKILL's alone, proves no stop: a crash whose ranks left no word is blamed.
     assert not E.stopped_as_asked(usr1 | kill, {})
     assert not E.stopped_as_asked(usr1 | kill, {0: (1.0, -kill), 1: (1.1, -kill)})
+
+
+def test_a_rank_that_crashes_during_an_asked_stop_is_blamed_not_the_first_that_stopped():
+    import signal
+
+    usr1, kill, segv = signal.SIGUSR1, signal.SIGKILL, signal.SIGSEGV
+    crashed = {0: (1.0, -usr1), 1: (1.001, -segv), 2: (1.002, -kill)}
+    assert E.failed_first(crashed, asked=True) == 1
+    assert E.failed_first(crashed, asked=False) == 0  # unasked, a SIGUSR1 end is a failure like any
+    assert E.failed_first({0: (1.0, -usr1), 1: (1.1, -kill)}, asked=True) is None
+    assert E.failed_first({}, asked=True) is None
