@@ -73,7 +73,7 @@ LOCAL = "localhost"
 # How a rank's exit record reads when it ended as a stop the launcher asked for: of SIGUSR1 (killed,
 # or a program's exit as if), or killed by mpiexec once a rank had died of a signal.
 _STOPPED = (-signal.SIGUSR1, SIGUSR1_STOP)
-_KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
+_STOP_ENDS = _STOPPED + (-signal.SIGKILL, 128 + signal.SIGKILL)
 
 
 # --- where commits live ---------------------------------------------------------
@@ -327,7 +327,7 @@ def _run(launcher, np, env):
                 return status
             if not planned:
                 failed = report_failure(launcher.plan.logdir, launcher.stderr, size) if launcher.plan.logdir else \
-                    failed_first(read_exit_records(launcher.records, size), watch.asked)
+                    blamed_rank(read_exit_records(launcher.records, size), watch.asked)
                 if status in NO_RESTART_STATUSES:
                     return status
                 launcher.blame(assignment, failed)
@@ -363,10 +363,10 @@ def stopped_as_asked(status, exits):
     if status != signal.SIGUSR1 | signal.SIGKILL:
         return False
     codes = [code for _, code in exits.values()]
-    return any(code in _STOPPED for code in codes) and all(code in _STOPPED + _KILLED for code in codes)
+    return any(code in _STOPPED for code in codes) and all(code in _STOP_ENDS for code in codes)
 
 
-def failed_first(exits, asked):
+def blamed_rank(exits, asked):
     """The rank whose process failed first, from the ranks' exit records, or None (pure).
 
     Once the launcher has asked the job to stop, a rank that ended of that
@@ -374,7 +374,7 @@ def failed_first(exits, asked):
     (a rank that crashed while the others stopped), not the first end.
     """
     if asked:
-        exits = {rank: end for rank, end in exits.items() if end[1] not in _STOPPED + _KILLED}
+        exits = {rank: end for rank, end in exits.items() if end[1] not in _STOP_ENDS}
     return first_failed(exits)
 
 

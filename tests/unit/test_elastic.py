@@ -571,7 +571,7 @@ def test_a_rank_that_crashes_during_an_asked_stop_is_blamed_not_the_first_that_s
 
     usr1, kill, segv = signal.SIGUSR1, signal.SIGKILL, signal.SIGSEGV
     crashed = {0: (1.0, -usr1), 1: (1.001, -segv), 2: (1.002, -kill)}
-    assert E.failed_first(crashed, asked=True) == 1
-    assert E.failed_first(crashed, asked=False) == 0  # unasked, a SIGUSR1 end is a failure like any
-    assert E.failed_first({0: (1.0, -usr1), 1: (1.1, -kill)}, asked=True) is None
-    assert E.failed_first({}, asked=True) is None
+    assert E.blamed_rank(crashed, asked=True) == 1
+    assert E.blamed_rank(crashed, asked=False) == 0  # unasked, a SIGUSR1 end is a failure like any
+    assert E.blamed_rank({0: (1.0, -usr1), 1: (1.1, -kill)}, asked=True) is None
+    assert E.blamed_rank({}, asked=True) is None
