@@ -158,6 +158,21 @@ def test_an_output_over_its_own_input_is_reduced_as_a_copy_would_be(algorithm, s
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_ranks_that_choose_differently_between_in_place_and_out_of_place_reduce_together(algorithm):
+    # Whether reduce_into reads the input where it is is each rank's own choice (here rank 0's output
+    # lies over its input, the others' do not): the ranks must still run one exchange, with one result.
+    n = SMALL_BYTES // 4 + 1000
+    memory = data(n + 3, np.float32)
+    x = memory[:n]
+    want = allreduce_(x.copy(), "sum", comm, transport=algorithm)
+    out = memory[3:] if comm.rank == 0 else np.empty_like(x)
+    reduce_into(out, x, "sum", comm, transport=algorithm)
+    everywhere = same_everywhere(out)
+    assert np.array_equal(out, want) and everywhere
+
+
+@pytest.mark.mpi
 def test_a_repeated_small_call_finds_its_plan_without_asking_for_it_again(monkeypatch):
     # allreduce_ looks its plan up inline, by the key small_plan stores it under: were the two keys
     # to differ, every call would still be right, only slower, so the lookups are counted here.
