@@ -1,7 +1,10 @@
 """Runs every file in tests/mpi under real mpirun, at 1, 2, 3 and 4 ranks.
 
-Each (file, size) is one job with a time bound, so a hang fails that job
-instead of the whole suite. 4 ranks oversubscribe this 2-core machine on
+Each (job, size) is one mpirun with a time bound, so a hang fails that job
+instead of the whole suite. A job is one file, or the files that share one
+heavy import (torch's files, TensorFlow's), run by one pytest per rank: each
+rank then imports torch or TensorFlow once instead of once per file, which
+is most of those files' time. 4 ranks oversubscribe this 2-core machine on
 purpose.
 """
 
@@ -33,26 +36,43 @@ KERAS_BACKEND_FILES = {os.path.join("tests", "mpi", "test_keras_torch.py"): ("ke
                        os.path.join("tests", "mpi", "test_keras_jax.py"): ("keras", "jax")}
 
 
+# Files run together, in one pytest per rank (the jobs' ids name them). Not the Keras backend files:
+# Keras reads KERAS_BACKEND once per process. Not the elastic file: its ranks leave and rejoin.
+SHARED = {"torch": [os.path.join("tests", "mpi", f"test_{name}.py")
+                    for name in ("torch_ops", "torch_process_sets", "torch_interop", "torch_model", "torch_optimizer")],
+          "tensorflow": [os.path.join("tests", "mpi", f"test_{name}.py") for name in ("tf_ops", "tf_keras")]}
+JOBS = ({name: paths for name, paths in SHARED.items()}
+        | {os.path.basename(p)[5:-3]: [p] for p in FILES if not any(p in paths for paths in SHARED.values())})
+
+
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("path", FILES, ids=[os.path.basename(p)[5:-3] for p in FILES])
-def test_under_mpirun(path, size):
-    if path in GPU_ONLY and not _gpu_available():
-        pytest.skip("no CUDA GPU visible to CuPy on this machine: every test in this file needs one")
-    if path in TORCH_ONLY and importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed (pip install torch==2.13.0): every test in this file needs it")
-    if path in TF_ONLY and importlib.util.find_spec("tensorflow") is None:
-        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0): every test in this file "
-                    "needs it")
-    missing = [name for name in KERAS_BACKEND_FILES.get(path, ()) if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}): every test in this "
-                    f"file needs {' and '.join(KERAS_BACKEND_FILES[path])}")
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_under_mpirun(job, size):
+    paths = JOBS[job]
+    _skip_without_what_needs(paths)
+    # Hypothesis's pytest plugin imports all of Hypothesis (a second of CPU per rank); no file here uses it.
     result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
-                           "-x", path], timeout=300)
+                           "-p", "no:hypothesispytest", "-x", *paths], timeout=300)
     # Exit 5 ("no tests collected") fails too: every file has tests at every
     # size (pytest-mpi skips, rather than drops, those that need more ranks),
     # so a file that stops collecting has lost its tests.
     assert result.returncode == 0, show(result)
+
+
+def _skip_without_what_needs(paths):
+    """Skip the job, saying why, where what every test of one of its files needs is missing."""
+    if any(p in GPU_ONLY for p in paths) and not _gpu_available():
+        pytest.skip("no CUDA GPU visible to CuPy on this machine: every test in this job's files needs one")
+    if any(p in TORCH_ONLY for p in paths) and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (pip install torch==2.13.0): every test in this job's files needs it")
+    if any(p in TF_ONLY for p in paths) and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0): every test in this file "
+                    "needs it")
+    needed = [name for p in paths for name in KERAS_BACKEND_FILES.get(p, ())]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}): every test in this "
+                    f"job's files needs {' and '.join(needed)}")
 
 
 def _gpu_available():
@@ -75,6 +95,14 @@ def test_files_that_skip_whole_without_tensorflow_are_tf_only():
         with open(os.path.join(ROOT, path)) as fh:
             skips_whole = 'importorskip("tensorflow"' in fh.read()
         assert skips_whole == (path in TF_ONLY), f"{path}: importorskip('tensorflow') and TF_ONLY must agree"
+
+
+def test_every_file_runs_in_exactly_one_job_and_shared_jobs_need_the_same_thing():
+    ran = sorted(p for paths in JOBS.values() for p in paths)
+    assert ran == FILES, "a file in tests/mpi runs in no job, or in two"
+    for name, paths in SHARED.items():
+        needs = {(p in TORCH_ONLY, p in TF_ONLY, p in GPU_ONLY, p in KERAS_BACKEND_FILES) for p in paths}
+        assert len(needs) == 1, f"the {name} job mixes files that need different things: one would skip the other"
 
 
 def test_files_for_keras_backends_name_their_backend():
