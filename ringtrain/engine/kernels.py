@@ -134,30 +134,33 @@ def _postscale(record, work_name, size):
 
 def _reduce_in_numpy(record, numpy_dtype, inputs, out):
     """:func:`reduce_locally` of a float32/float64 sum or average without factors, in place in ``out``."""
-    total = out.reshape(-1)
-    parts = []
-    for i, x in enumerate(inputs):
-        if x is out:
-            a = total
-        elif isinstance(x, np.ndarray):
-            a = x.reshape(-1)
-        else:  # a member's raw bytes
-            a = np.frombuffer(x, numpy_dtype)
-        # Summing into out, which may be one of the inputs: one read after the first sum must be a copy.
-        parts.append(a.copy() if i > 1 and np.shares_memory(a, total) else a)
-    n = len(parts)
+    total = out if out.ndim == 1 else out.reshape(-1)
+    n = len(inputs)
     if n == 1:
-        np.copyto(total, parts[0])
+        np.copyto(total, _flat(inputs[0], out, total, numpy_dtype))
     else:
-        np.add(parts[0], parts[1], out=total)
-    for a in parts[2:]:
-        total += a
+        later = []
+        for x in inputs[2:]:  # summing into out, which may be one of them: one read after the first sum is a copy
+            a = _flat(x, out, total, numpy_dtype)
+            later.append(a.copy() if np.shares_memory(a, total) else a)
+        np.add(_flat(inputs[0], out, total, numpy_dtype), _flat(inputs[1], out, total, numpy_dtype), out=total)
+        for a in later:
+            total += a
     if record.op == "average":
         divisor = _DIVISORS.get((numpy_dtype, n))
         if divisor is None:  # a NumPy scalar of the array's dtype: the division stays in that dtype
             divisor = _DIVISORS[(numpy_dtype, n)] = numpy_dtype(n)
         np.divide(total, divisor, out=total)
     return out
+
+
+def _flat(x, out, total, numpy_dtype):
+    """One member's input to :func:`_reduce_in_numpy`, flat: ``total`` for ``out`` itself, else a view."""
+    if x is out:
+        return total
+    if isinstance(x, np.ndarray):
+        return x if x.ndim == 1 else x.reshape(-1)
+    return np.frombuffer(x, numpy_dtype)  # a member's raw bytes
 
 
 _DIVISORS = {}

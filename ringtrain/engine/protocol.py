@@ -348,7 +348,7 @@ class Protocol:
         """Compute ``entry`` from every member's data, with the first member's record (as the verdict picks it)."""
         record = got[self.ranks[0]][1]  # (equal to every other, but equal is not the same: -0.0 == 0.0)
         try:
-            result = kernels.run_local(record, [got[r][0] for r in self.ranks], entry.args[1])
+            result = kernels.reduce_locally(record, [got[r][0] for r in self.ranks], entry.args[1])
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             self._complete(entry, error=_as_runtime_error(exc))
         else:
