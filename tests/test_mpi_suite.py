@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from conftest import EVERY_FILE_COLLECTS
 from mpirun import ROOT, mpirun, show
 
 FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "mpi", "test_*.py")))
@@ -41,7 +42,7 @@ KERAS_BACKEND_FILES = {os.path.join("tests", "mpi", "test_keras_torch.py"): ("ke
 SHARED = {"torch": [os.path.join("tests", "mpi", f"test_{name}.py")
                     for name in ("torch_ops", "torch_process_sets", "torch_interop", "torch_model", "torch_optimizer")],
           "tensorflow": [os.path.join("tests", "mpi", f"test_{name}.py") for name in ("tf_ops", "tf_keras")]}
-JOBS = ({name: paths for name, paths in SHARED.items()}
+JOBS = (dict(SHARED)
         | {os.path.basename(p)[5:-3]: [p] for p in FILES if not any(p in paths for paths in SHARED.values())})
 
 
@@ -49,30 +50,32 @@ JOBS = ({name: paths for name, paths in SHARED.items()}
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_under_mpirun(job, size):
     paths = JOBS[job]
-    _skip_without_what_needs(paths)
-    # Hypothesis's pytest plugin imports all of Hypothesis (a second of CPU per rank); no file here uses it.
+    _skip_where_missing(paths)
+    # Hypothesis's pytest plugin imports all of Hypothesis on every rank; no file here uses it.
     result = mpirun(size, [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:hypothesispytest", "-x", *paths], timeout=300)
-    # Exit 5 ("no tests collected") fails too: every file has tests at every
-    # size (pytest-mpi skips, rather than drops, those that need more ranks),
+                           "-p", "no:hypothesispytest", "-x", *paths], timeout=300,
+                    env=dict(os.environ, **{EVERY_FILE_COLLECTS: "1"}))
+    # Exit 5 ("no tests collected", from any one file of the job: tests/conftest.py) fails too: every
+    # file has tests at every size (pytest-mpi skips, rather than drops, those that need more ranks),
     # so a file that stops collecting has lost its tests.
     assert result.returncode == 0, show(result)
 
 
-def _skip_without_what_needs(paths):
-    """Skip the job, saying why, where what every test of one of its files needs is missing."""
+def _skip_where_missing(paths):
+    """Skip the job, saying why, where something every test in its files needs is missing."""
+    files = ", ".join(os.path.basename(p) for p in paths)
     if any(p in GPU_ONLY for p in paths) and not _gpu_available():
-        pytest.skip("no CUDA GPU visible to CuPy on this machine: every test in this job's files needs one")
+        pytest.skip(f"no CUDA GPU visible to CuPy on this machine: every test in {files} needs one")
     if any(p in TORCH_ONLY for p in paths) and importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed (pip install torch==2.13.0): every test in this job's files needs it")
+        pytest.skip(f"torch is not installed (pip install torch==2.13.0): every test in {files} needs it")
     if any(p in TF_ONLY for p in paths) and importlib.util.find_spec("tensorflow") is None:
-        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu==2.21.0): every test in this file "
+        pytest.skip(f"tensorflow is not installed (pip install tensorflow-cpu==2.21.0): every test in {files} "
                     "needs it")
     needed = [name for p in paths for name in KERAS_BACKEND_FILES.get(p, ())]
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}): every test in this "
-                    f"job's files needs {' and '.join(needed)}")
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}): every test in "
+                    f"{files} needs {' and '.join(needed)}")
 
 
 def _gpu_available():
@@ -103,6 +106,8 @@ def test_every_file_runs_in_exactly_one_job_and_shared_jobs_need_the_same_thing(
     for name, paths in SHARED.items():
         needs = {(p in TORCH_ONLY, p in TF_ONLY, p in GPU_ONLY, p in KERAS_BACKEND_FILES) for p in paths}
         assert len(needs) == 1, f"the {name} job mixes files that need different things: one would skip the other"
+        alone = [p for p in paths if p in KERAS_BACKEND_FILES or os.path.basename(p) == "test_elastic.py"]
+        assert not alone, f"{alone} must run in a process of their own (see SHARED)"
 
 
 def test_files_for_keras_backends_name_their_backend():

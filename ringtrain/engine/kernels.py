@@ -140,7 +140,7 @@ def _reduce_in_numpy(record, numpy_dtype, inputs, out):
         np.copyto(total, _flat(inputs[0], out, total, numpy_dtype))
     else:
         later = []
-        for x in inputs[2:]:  # summing into out, which may be one of them: one read after the first sum is a copy
+        for x in inputs[2:]:  # out may be one of them: one read after the first sum is a copy, taken before it
             a = _flat(x, out, total, numpy_dtype)
             later.append(a.copy() if np.shares_memory(a, total) else a)
         np.add(_flat(inputs[0], out, total, numpy_dtype), _flat(inputs[1], out, total, numpy_dtype), out=total)
