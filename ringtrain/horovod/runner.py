@@ -48,6 +48,11 @@ def result_file(rank):
     return f"result-{rank}.pickle"
 
 
+def error_file(rank):
+    """The name of the line rank ``rank`` leaves in the job's folder when its function raised (pure)."""
+    return f"error-{rank}.txt"
+
+
 def unsupported(options):
     """The message for the first option ringtrain does not serve, or None (pure)."""
     for name, what in _REFUSED.items():
@@ -126,9 +131,23 @@ def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=
         env.update(extra_env)
         done = subprocess.run(argv, env=env)
         if done.returncode != 0:
+            errors = _read_errors(folder, num_proc)
             raise RuntimeError(f"horovod.run: the job on {num_proc} ranks failed: mpirun exited with status "
-                               f"{done.returncode} (each failing rank printed its error above)")
+                               f"{done.returncode}" + (f": {'; '.join(errors)}" if errors else
+                                                      " (each failing rank printed its error above)"))
         return [_read_result(folder, rank) for rank in range(num_proc)]
+
+
+def _read_errors(folder, num_proc):
+    """The lines the ranks whose function raised left (MPI_Abort may cut their own output short)."""
+    errors = []
+    for rank in range(num_proc):
+        try:
+            with open(os.path.join(folder, error_file(rank)), encoding="utf-8", errors="replace") as fh:
+                errors.append(fh.read().strip())
+        except FileNotFoundError:
+            pass
+    return errors
 
 
 def _read_result(folder, rank):
@@ -181,8 +200,14 @@ def run_worker(folder, script=None, rank=None):
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             raise
         traceback.print_exc()
-        print(f"rank {rank}: horovod.run's function failed: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        line = f"rank {rank}: horovod.run's function failed: {type(exc).__name__}: {exc}"
+        print(line, file=sys.stderr, flush=True)
+        # Also for the driver to quote: when MPI_Abort ends the job, mpirun may drop what the ranks last printed.
+        try:
+            with open(os.path.join(folder, error_file(rank)), "w", encoding="utf-8") as fh:
+                fh.write(line)
+        except OSError:  # (a host that does not share the driver's folder: the line above is all there is)
+            pass
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
