@@ -15,6 +15,9 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+EVERY_FILE_COLLECTS = "RINGTRAIN_TESTS_EVERY_FILE_COLLECTS"  # set by tests/test_mpi_suite.py for its jobs
+
+
 def pytest_collection_finish(session):
     """Under tests/test_mpi_suite.py, exit 5 if a file it named collected nothing (it was skipped at import).
 
@@ -29,9 +32,6 @@ def pytest_collection_finish(session):
     empty = sorted(str(path) for path in named - {item.path.resolve() for item in session.items})
     if empty:
         pytest.exit(f"no tests collected from {', '.join(empty)} (skipped at import?)", returncode=5)
-
-
-EVERY_FILE_COLLECTS = "RINGTRAIN_TESTS_EVERY_FILE_COLLECTS"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ purpose.
 import glob
 import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
@@ -108,6 +109,23 @@ def test_every_file_runs_in_exactly_one_job_and_shared_jobs_need_the_same_thing(
         assert len(needs) == 1, f"the {name} job mixes files that need different things: one would skip the other"
         alone = [p for p in paths if p in KERAS_BACKEND_FILES or os.path.basename(p) == "test_elastic.py"]
         assert not alone, f"{alone} must run in a process of their own (see SHARED)"
+
+
+def test_a_file_skipped_at_import_fails_the_job_it_shares(tmp_path):
+    # The job's pytest, without MPI: tests/conftest.py loaded as a plugin, two files, one skipped whole.
+    (tmp_path / "test_kept.py").write_text("def test_kept():\n    pass\n")
+    (tmp_path / "test_gone.py").write_text('import pytest\n\npytest.importorskip("no_such_module_anywhere")\n\n\n'
+                                           'def test_gone():\n    pass\n')
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+               "-p", "conftest", "test_kept.py", "test_gone.py"]
+    env = {k: v for k, v in os.environ.items() if k != EVERY_FILE_COLLECTS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"), env.get("PYTHONPATH")]))
+    shared = subprocess.run(command, cwd=tmp_path, env={**env, EVERY_FILE_COLLECTS: "1"}, capture_output=True,
+                            text=True, timeout=120)
+    assert shared.returncode == 5, shared.stdout + shared.stderr
+    assert "no tests collected from" in shared.stdout + shared.stderr and "test_gone.py" in shared.stdout
+    alone = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stdout + alone.stderr  # what pytest does by itself: the file unseen
 
 
 def test_files_for_keras_backends_name_their_backend():
