@@ -13,15 +13,19 @@
 # rank writes a JUnit report; a test counts as passed only if it passed on every rank.
 #
 # The tests run CHUNK at a time, one mpirun per chunk (CHUNK=1 is one mpirun
-# per test, as Horovod's own CI runs them): a test that leaves the ranks out
-# of step (one rank fails where its peers wait) then costs only its chunk.
+# per test, as Horovod's own CI runs them), each rank's pytest with -x and its
+# -v log written unbuffered: a test that fails, on one rank or on all, ends
+# its mpirun at once (mpirun ends the job when a rank exits with an error)
+# rather than leaving the ranks out of step until the bound, and the chunk's
+# remaining tests run again in a new mpirun. A rank that mpirun killed still
+# tells, in its log, which tests it finished.
 #
 # Environment: PYTHON (default: .venv/bin/python, else python3), MPIRUN
 # (default: next to PYTHON, else mpirun), CHUNK (default 20), TIMEOUT per
 # mpirun in seconds (default 300), TEST_FILE (default test_torch.py; the muon_off
 # plugin is loaded for it only), PYTEST_K (a pytest -k expression, e.g.
-# "allreduce and not grad"), KEEP_LOGS (a directory to keep each rank's log
-# and report in).
+# "allreduce and not grad"), KEEP_LOGS (a directory the logs and reports are
+# written to as the run goes, and kept: what ran before a run was cut off is there).
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
@@ -42,9 +46,18 @@ case "$chunk" in ''|*[!0-9]*|0) echo "$0: CHUNK must be a positive integer, got 
 python="${PYTHON:-$root/.venv/bin/python}"; [ -x "$python" ] || python="$(command -v python3)"
 mpirun="${MPIRUN:-$(dirname "$python")/mpirun}"; [ -x "$mpirun" ] || mpirun="$(command -v mpirun)"
 timeout_s="${TIMEOUT:-300}"
-reports="$(mktemp -d)"
-trap 'rm -rf "$reports"' EXIT
-export PYTHONPATH="$root/scripts/horovod_compat:$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+if [ -n "${KEEP_LOGS:-}" ]; then
+    if [ -e "$KEEP_LOGS" ] && [ -n "$(ls -A "$KEEP_LOGS" 2>/dev/null)" ]; then
+        echo "$0: KEEP_LOGS must name an empty or new directory, got '$KEEP_LOGS' (it holds files)" >&2
+        exit 2
+    fi
+    mkdir -p "$KEEP_LOGS" && reports="$(cd "$KEEP_LOGS" && pwd)" || exit 2
+else
+    reports="$(mktemp -d)"
+    trap 'rm -rf "$reports"' EXIT
+fi
+export PYTHONPATH="$root/scripts/horovod_compat:$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 \
+    PYTHONUNBUFFERED=1
 # The test ids, collected once in a single process (pytest 9 prints them from the
 # checkout's root, where setup.cfg is; they are passed from test/parallel). Only
 # lines that are ids: TensorFlow's log lines also hold '::' (absl::InitializeLog).
@@ -58,17 +71,22 @@ split -l "$chunk" -d -a 3 "$reports/ids" "$reports/chunk-"
 status=0
 for np in "${nps[@]}"; do
     for list in "$reports"/chunk-*; do
-        out="$reports/np$np/$(basename "$list")"
-        mkdir -p "$out"
-        # PMI_RANK (MPICH) or OMPI_COMM_WORLD_RANK (Open MPI) names each rank's report.
-        timeout -k 10 "$timeout_s" "$mpirun" -np "$np" bash -c \
-            'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m ringtrain.horovod -m pytest $5 -v \
-                -p no:cacheprovider -o faulthandler_timeout=120 $(cat "$4") \
-                --junitxml="$3/rank-$r.xml" > "$3/rank-$r.log" 2>&1' \
-            _ "$checkout/test/parallel" "$python" "$out" "$list" "$plugins" > "$out/mpirun.log" 2>&1
-        [ $? -eq 124 ] && echo "np=$np $(basename "$list"): timed out after ${timeout_s}s" >&2
+        todo="$list"; attempt=0
+        while [ -s "$todo" ]; do
+            out="$reports/np$np/$(basename "$list").$(printf %02d "$attempt")"
+            mkdir -p "$out"
+            # PMI_RANK (MPICH) or OMPI_COMM_WORLD_RANK (Open MPI) names each rank's report and log.
+            timeout -k 10 "$timeout_s" "$mpirun" -np "$np" bash -c \
+                'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}; cd "$1" && exec "$2" -m ringtrain.horovod -m pytest $5 -v -x \
+                    -p no:cacheprovider -o faulthandler_timeout=120 $(cat "$4") \
+                    --junitxml="$3/rank-$r.xml" > "$3/rank-$r.log" 2>&1' \
+                _ "$checkout/test/parallel" "$python" "$out" "$todo" "$plugins" > "$out/mpirun.log" 2>&1
+            [ $? -eq 124 ] && echo "np=$np $(basename "$out"): timed out after ${timeout_s}s" >&2
+            # The tests after the first one that did not pass on every rank run again, in a new mpirun.
+            "$python" "$here/horovod_tests_summary.py" --rest "$np" "$todo" "$out" > "$out/rest"
+            todo="$out/rest"; attempt=$((attempt + 1))
+        done
     done
     "$python" "$here/horovod_tests_summary.py" "$np" "$reports/ids" "$reports/np$np" || status=1
-    [ -n "${KEEP_LOGS:-}" ] && mkdir -p "$KEEP_LOGS" && cp -r "$reports/np$np" "$KEEP_LOGS/"
 done
 exit $status

@@ -1,22 +1,37 @@
-"""Summarise the per-rank JUnit reports of one run of Horovod's tests (used by horovod_tests.sh).
+"""Outcomes of Horovod's tests run under mpirun by horovod_tests.sh: the summary, and what to run again.
 
     python scripts/horovod_tests_summary.py NP ID_FILE REPORT_DIR
+    python scripts/horovod_tests_summary.py --rest NP LIST_FILE ATTEMPT_DIR
 
-ID_FILE lists the test ids that were run; REPORT_DIR holds one folder per
-mpirun, each with a ``rank-R.xml`` per rank. A test passed if it passed on
-every rank, was skipped if any rank skipped it (and none failed), and failed
-otherwise, a test with no report from some rank (its mpirun timed out or
-crashed) included. Prints the counts and each failing test with the first
-line of its message; exits 1 if any test failed.
+REPORT_DIR holds one folder per mpirun (an attempt), each with every rank's
+``rank-R.log`` (pytest ``-v``, written unbuffered) and, where pytest got to
+write it, ``rank-R.xml``. A rank's outcome of a test comes from its JUnit
+report, or else from its log's ``-v`` line, so a rank that mpirun killed
+still tells what it finished. A test's outcome is that of the last attempt
+that ran it (a later attempt reruns what an earlier one could not finish):
+passed if it passed on every rank, skipped if some rank skipped it and none
+failed, failed otherwise, a rank without an outcome (killed, or cut off by
+the bound, while it ran) included.
+
+The first form prints the counts and each failing test with the first line
+of its message, and exits 1 if any test failed. ``--rest`` prints the ids of
+LIST_FILE that come after its first test without a pass or skip on every
+rank in ATTEMPT_DIR: pytest ran with ``-x``, so a test that fails on one rank
+ends that attempt, and the rest run again in the next (nothing when all passed).
 """
 
 import glob
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
+_VERBOSE_LINE = re.compile(r"^\S*::(\w+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_OUTCOME = {"PASSED": "passed", "XFAIL": "passed", "XPASS": "passed", "SKIPPED": "skipped"}
+_NO_OUTCOME = "no outcome from this rank (killed, or cut off by the bound, while the test ran)"
 
-def outcomes(path):
+
+def from_junit(path):
     """{test name: (outcome, first line of the message)} from one JUnit file."""
     found = {}
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -30,36 +45,92 @@ def outcomes(path):
     return found
 
 
-def main(argv):
-    if len(argv) != 4:
-        print("usage: horovod_tests_summary.py NP ID_FILE REPORT_DIR", file=sys.stderr)
-        return 2
-    np_, id_file, directory = int(argv[1]), argv[2], argv[3]
-    with open(id_file) as fh:
-        names = [line.strip().rsplit("::", 1)[-1] for line in fh if "::" in line]
-    per_rank = [{} for _ in range(np_)]
-    for path in glob.glob(os.path.join(directory, "*", "rank-*.xml")):
-        rank = int(os.path.basename(path)[len("rank-"):-len(".xml")])
-        if rank < np_:
-            per_rank[rank].update(outcomes(path))
-    summary = {"passed": [], "failed": [], "skipped": []}
+def from_log(path):
+    """{test name: (outcome, "")} from the ``-v`` lines of one rank's pytest log (pure but for the read)."""
+    found = {}
+    with open(path, errors="replace") as fh:
+        for line in fh:
+            match = _VERBOSE_LINE.match(line)
+            if match:
+                found[match.group(1)] = (_OUTCOME.get(match.group(2), "failed"), "")
+    return found
+
+
+def attempt_outcomes(directory, np_):
+    """Each rank's {test name: (outcome, message)} in one attempt's folder: JUnit over the log's lines."""
+    per_rank = []
+    for rank in range(np_):
+        found = {}
+        log, xml = os.path.join(directory, f"rank-{rank}.log"), os.path.join(directory, f"rank-{rank}.xml")
+        if os.path.exists(log):
+            found.update(from_log(log))
+        if os.path.exists(xml):
+            try:
+                found.update(from_junit(xml))
+            except ET.ParseError:  # cut off while pytest wrote it: the log's lines stand
+                pass
+        per_rank.append(found)
+    return per_rank
+
+
+def verdict(results):
+    """One test's ``(outcome, message)`` from every rank's ``(outcome, message)`` or None (pure)."""
+    results = [r if r is not None else ("failed", _NO_OUTCOME) for r in results]
+    failed = [f"rank {rank}: {m[:160]}" for rank, (o, m) in enumerate(results) if o == "failed"]
+    if failed:
+        return "failed", "; ".join(failed)
+    if any(o == "skipped" for o, _ in results):
+        return "skipped", next(m for o, m in results if o == "skipped")
+    return "passed", ""
+
+
+def rest(ids, per_rank):
+    """The test ids after the first one without a pass or skip on every rank; [] when there is none (pure)."""
+    for i, test_id in enumerate(ids):
+        if verdict([r.get(test_id.rsplit("::", 1)[-1]) for r in per_rank])[0] == "failed":
+            return ids[i + 1:]
+    return []
+
+
+def read_ids(path):
+    with open(path) as fh:
+        return [line.strip() for line in fh if "::" in line]
+
+
+def summary(np_, names, directory):
+    """{outcome: [(name, message)]} over every attempt under ``directory``, the last to run a test deciding."""
+    last = {}
+    for attempt in sorted(glob.glob(os.path.join(directory, "*", ""))):
+        per_rank = attempt_outcomes(attempt, np_)
+        for name in {n for r in per_rank for n in r}:
+            last[name] = [r.get(name) for r in per_rank]
+    result = {"passed": [], "failed": [], "skipped": []}
     for name in names:
-        results = [r.get(name, ("failed", "no report from this rank (timed out or crashed)")) for r in per_rank]
-        failed = [m for o, m in results if o == "failed"]
-        if failed:
-            summary["failed"].append((name, failed[0]))
-        elif any(o == "skipped" for o, _ in results):
-            summary["skipped"].append((name, next(m for o, m in results if o == "skipped")))
-        else:
-            summary["passed"].append((name, ""))
-    print(f"np={np_}: {len(summary['passed'])} passed, {len(summary['failed'])} failed, "
-          f"{len(summary['skipped'])} skipped, of {len(names)}")
-    for name, message in summary["failed"]:
-        print(f"  FAILED {name}: {message[:160]}")
+        outcome, message = verdict(last.get(name, [None] * np_))
+        result[outcome].append((name, message))
+    return result
+
+
+def main(argv):
+    if len(argv) == 5 and argv[1] == "--rest":
+        for test_id in rest(read_ids(argv[3]), attempt_outcomes(argv[4], int(argv[2]))):
+            print(test_id)
+        return 0
+    if len(argv) != 4:
+        print("usage: horovod_tests_summary.py NP ID_FILE REPORT_DIR | --rest NP LIST_FILE ATTEMPT_DIR",
+              file=sys.stderr)
+        return 2
+    np_ = int(argv[1])
+    names = [test_id.rsplit("::", 1)[-1] for test_id in read_ids(argv[2])]
+    result = summary(np_, names, argv[3])
+    print(f"np={np_}: {len(result['passed'])} passed, {len(result['failed'])} failed, "
+          f"{len(result['skipped'])} skipped, of {len(names)}")
+    for name, message in result["failed"]:
+        print(f"  FAILED {name}: {message}")
     if os.environ.get("SHOW_SKIPPED"):
-        for name, message in summary["skipped"]:
+        for name, message in result["skipped"]:
             print(f"  skipped {name}: {message[:160]}")
-    return 1 if summary["failed"] else 0
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":
