@@ -13,6 +13,7 @@ ways:
 """
 
 import contextlib
+import re
 import sys
 import traceback
 
@@ -22,11 +23,27 @@ from .io.safeio import printable
 __all__ = ["agree", "verdict_of", "abort_on_error", "describe"]
 
 
+# A line of a message that names an exception: "RuntimeError: ...", "errors_impl.UnknownError: ...".
+_CAUSE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b")
+
+
 def describe(exc):
-    """One line for an exception: ``TypeName: message`` (message only for user errors)."""
-    if isinstance(exc, UsageError):
-        return str(exc)
+    """One line for an exception: ``TypeName: message`` (message only for user errors).
+
+    A message of several lines keeps its first line and, after it, the last
+    line that names an exception (else its last line): TensorFlow's graph
+    errors put a header first ("Graph execution error:"), then the node and
+    a traceback, and the cause (the user's ``RuntimeError``, a peer's
+    failure) last but for the node markers (``[[...]]``).
+    """
     text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1:
+        rest = [line for line in lines[1:] if not line.startswith("[[")] or lines[1:]
+        cause = next((line for line in reversed(rest) if _CAUSE.match(line)), rest[-1])
+        text = f"{lines[0]} ... {cause}"
+    if isinstance(exc, UsageError):
+        return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

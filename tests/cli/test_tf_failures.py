@@ -39,6 +39,18 @@ def test_an_exception_on_one_rank_ends_the_job_naming_the_rank():
     assert "wait returned" not in result.stdout, show(result)
 
 
+def test_an_exception_inside_a_tf_function_is_named_in_one_line_on_both_ranks():
+    # TensorFlow's message spans many lines and starts with "Graph execution error:"; the line each
+    # rank prints, and the reason the peer's op fails with, keep the cause.
+    result = run(mpmd(["graph_raise"], ["graph_second"]), timeout=240, env=mpirun.test_env())
+    assert result.returncode != 0, show(result)
+    cause = "RuntimeError: this rank gave up in a graph"
+    assert f"rank 0: UnknownError: Graph execution error: ... {cause}" in result.stderr, show(result)
+    assert re.search(rf"allreduce 'second': rank 0 raised UnknownError: Graph execution error: \.\.\. {cause}",
+                     result.stderr), show(result)
+    assert "graph returned" not in result.stdout, show(result)
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_tf1_graphs_after_a_refused_op_run_on_every_rank(size):
     # A rank's refusal stays in flight until every member has heard it: the next graph's collectives,

@@ -77,3 +77,21 @@ def test_the_startup_watchdog_is_quiet_and_gone_when_start_up_ends_in_time():
 
     result = subprocess.run([sys.executable, "-c", STARTUP, "5", "0.1"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and result.stdout == "ended in time\n" and result.stderr == "", result
+
+
+def test_describe_is_one_line_that_keeps_the_cause_of_a_message_of_several():
+    from ringtrain.errors import UsageError
+    from ringtrain.failure import describe
+
+    class UnknownError(Exception):
+        pass
+
+    graph = ("Graph execution error:\n\nDetected at node PyFunc defined at (most recent call last):\n"
+             "  File \"train.py\", line 9, in step\n\nRuntimeError: the user's own words\n\n\n"
+             "\t [[{{node PyFunc}}]] [Op:__inference_step_18]")
+    want = "UnknownError: Graph execution error: ... RuntimeError: the user's own words"
+    assert describe(UnknownError(graph)) == want
+    assert describe(ValueError("first\nsecond\n")) == "ValueError: first ... second"
+    assert describe(ValueError("one line")) == "ValueError: one line"
+    assert describe(KeyError()) == "KeyError"
+    assert describe(UsageError("--epochs must be positive")) == "--epochs must be positive"

@@ -6,7 +6,9 @@ tf.function, printing ``mismatch`` for each FailedPrecondition/OpError;
 rank that raised). In TF1 graphs: ``graphs`` runs an alltoall every rank
 refuses (rank 0 late), then collectives in a second graph, fetched several
 times, printing ``graphs ok``; ``graph_wait`` fetches an allreduce its peer
-never submits; ``idle`` sleeps for a minute without a collective.
+never submits; ``idle`` sleeps for a minute without a collective. In a
+tf.function: ``graph_raise`` allreduces, then raises inside a
+``numpy_function``, before its second allreduce; ``graph_second`` runs both.
 """
 
 import time
@@ -63,7 +65,26 @@ def graph_wait():
     print("wait returned", flush=True)
 
 
+def in_a_graph(raises):
+    hvd.init()
+
+    def give_up(x):
+        raise RuntimeError("this rank gave up in a graph")
+
+    @tf.function
+    def step(x):
+        x = hvd.allreduce(x, name="first")
+        if raises:
+            x = tf.numpy_function(give_up, [x], tf.float32)
+        return hvd.allreduce(x, name="second")
+
+    step(tf.ones([4]))
+    print("graph returned", flush=True)
+
+
 def main(role, *args):
+    if role in ("graph_raise", "graph_second"):
+        return in_a_graph(role == "graph_raise")
     if role == "shape":
         return shape(int(args[0]))
     if role == "graphs":
