@@ -32,8 +32,8 @@ import typing
 
 __all__ = ["Allreduce", "Reducescatter", "Allgather", "Alltoall", "Broadcast", "Barrier", "Join", "Joined",
            "Refused", "Grouped", "Call", "Announcement", "Verdict", "Board", "Names", "thread_label", "verdict",
-           "first_difference", "same_value", "op_key", "user_name", "join_blocks", "conflicts", "stall_report",
-           "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
+           "first_difference", "same_value", "op_key", "user_name", "op_label", "join_blocks", "conflicts",
+           "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
 
 FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
 
@@ -178,6 +178,17 @@ def user_name(key):
     return key.partition(".")[2]
 
 
+def op_label(key, records=()):
+    """How errors name op ``key``: ``allreduce 'loss'``, or an engine change by what it is (pure).
+
+    ``records``: the op's records heard so far; an engine change (a
+    :class:`Call`: ``add_process_set``, ``remove_process_set``) has no name
+    of the user's, only a counter's, so it is named by what it does.
+    """
+    call = next((r for r in records if isinstance(r, Call)), None)
+    return call.what if call is not None else f"{key.partition('.')[0]} {user_name(key)!r}"
+
+
 class Names:
     """Names for unnamed ops, counted per process set, kind and submitting thread.
 
@@ -242,7 +253,7 @@ def _same_record(a, b):
 
 def _difference(first, other):
     if type(first) is not type(other):
-        return f"kind: {first.kind} and {other.kind}"
+        return f"kind: {_kind(first)} and {_kind(other)}"
     if isinstance(first, Grouped) and len(first.parts) != len(other.parts):
         return f"grouped length: {len(first.parts)} and {len(other.parts)}"
     if isinstance(first, Grouped):
@@ -252,8 +263,14 @@ def _difference(first, other):
     for f in dataclasses.fields(first):
         mine, theirs = getattr(first, f.name), getattr(other, f.name)
         if not same_value(mine, theirs):
-            return f"{f.name.replace('_', ' ')}: {mine} and {theirs}"
+            field = "arguments" if isinstance(first, Call) and f.name == "detail" else f.name.replace("_", " ")
+            return f"{field}: {mine} and {theirs}"
     return None
+
+
+def _kind(record):
+    """A record's kind as a mismatch names it: a grouped op with its count (one tensor against a group of two)."""
+    return f"grouped {record.kind} of {len(record.parts)} tensor(s)" if isinstance(record, Grouped) else record.kind
 
 
 @dataclasses.dataclass(slots=True)
@@ -279,7 +296,7 @@ def verdict(key, members, by_rank):
     if type(record) is not Refused and record is not JOINED and _agree(record, members, by_rank):
         # The common case: every member agrees, and none has joined or refused.
         return Verdict(_action(record, members, members, by_rank), record)
-    label = f"{key.partition('.')[0]} {user_name(key)!r}"
+    label = op_label(key, [by_rank[r].record for r in members])
     for rank in members:
         refused = by_rank[rank].record
         if type(refused) is Refused:

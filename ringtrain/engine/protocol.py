@@ -40,8 +40,8 @@ import typing
 from . import kernels
 from .errors import CollectiveMismatchError, HorovodInternalError
 from .handles import Pending
-from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, stall_report,
-                          user_name, verdict)
+from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, op_label,
+                          stall_report, user_name, verdict)
 
 __all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
 
@@ -441,7 +441,7 @@ class Protocol:
             entry = self._mine.pop(key, None)
             if entry is not None:
                 self._complete(entry, error=HorovodInternalError(
-                    f"{_label_of(key)}: rank(s) {ranks} have joined; only allreduce runs while ranks are joined"))
+                    f"{self._label_of(key)}: rank(s) {ranks} have joined; only allreduce runs while ranks are joined"))
             self._board.drop(key)
             self._failed_joined.add(key)
 
@@ -611,6 +611,10 @@ class Protocol:
                     i += 1
             self._run(group)
 
+    def _label_of(self, key):
+        """How errors name op ``key`` here, from what its members announced (an engine change by what it is)."""
+        return op_label(key, [a.record for a in self._board.partial(key).values()])
+
     def _complete(self, entry, result=None, error=None):
         # The name is free before anyone waiting hears of it, so a caller may reuse it at once. (No lock:
         # a set's discard is atomic, and no submit can be adding this key while its op is in flight.)
@@ -635,7 +639,7 @@ class Protocol:
                 if self._to_order:
                     self._flush_orders()
                 ordered = {key for _, key, _, _ in self._ordered}
-                self._order([(key, FAIL, (False, f"{_label_of(key)}: {reason}")) for key in self._board.keys()
+                self._order([(key, FAIL, (False, f"{self._label_of(key)}: {reason}")) for key in self._board.keys()
                              if key not in ordered])
                 if self._others:
                     self._send_all(("c", reason))
@@ -682,10 +686,6 @@ class Protocol:
 def _aligned(offset):
     """Where a raw announcement's data starts after ``offset`` bytes: a multiple of 8, so its view is aligned."""
     return -(-offset // 8) * 8
-
-
-def _label_of(key):
-    return f"{key.partition('.')[0]} {user_name(key)!r}"
 
 
 def _as_runtime_error(exc):

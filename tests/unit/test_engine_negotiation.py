@@ -8,9 +8,9 @@ import pytest
 
 from ringtrain.engine import kernels
 from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Allgather, Allreduce, Alltoall, Announcement,
-                                          Barrier, Board, Broadcast, Grouped, Names, Reducescatter, Refused, conflicts,
-                                          first_difference, join_blocks, same_value, stall_report, thread_label,
-                                          verdict)
+                                          Barrier, Board, Broadcast, Call, Grouped, Names, Reducescatter, Refused,
+                                          conflicts, first_difference, join_blocks, same_value, stall_report,
+                                          thread_label, verdict)
 from ringtrain.engine.ops import alltoall_splits
 
 MEMBERS = (0, 1, 2)
@@ -72,6 +72,14 @@ def test_grouped_ops_differ_by_length_then_by_tensor():
     assert first_difference([one, three]) == "grouped length: 2 and 3"
     other = Grouped("allreduce", (reduction(), reduction(shape=(9,))))
     assert first_difference([one, other]) == "tensor 1 shape: (4,) and (9,)"
+    # A group of two against one tensor (a variable only one rank's tape has) says so, not "allreduce and allreduce".
+    assert first_difference([one, reduction()]) == "kind: grouped allreduce of 2 tensor(s) and allreduce"
+
+
+def test_an_engine_change_the_ranks_disagree_on_is_named_by_what_it_is_not_by_its_counter():
+    v = verdict("call.noname.0", (0, 1), announced(Call("add_process_set", (0, 1)), Call("add_process_set", (0, 1, 2))))
+    assert v.action == FAIL and v.mismatch
+    assert v.error.startswith("add_process_set: ranks submitted different arguments: (0, 1) and (0, 1, 2)"), v.error
 
 
 def test_the_board_completes_an_op_when_every_member_has_announced_it_and_queues_the_next_of_that_name():
