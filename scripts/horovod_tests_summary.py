@@ -26,7 +26,7 @@ import re
 import sys
 import xml.etree.ElementTree as ET
 
-_VERBOSE_LINE = re.compile(r"^\S*::(\w+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_VERBOSE_LINE = re.compile(r"^\S*::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 _OUTCOME = {"PASSED": "passed", "XFAIL": "passed", "XPASS": "passed", "SKIPPED": "skipped"}
 _NO_OUTCOME = "no outcome from this rank (killed, or cut off by the bound, while the test ran)"
 

@@ -53,6 +53,8 @@ def test_skips_and_expected_failures_count_as_done_and_a_failure_on_every_rank_i
     lines = "".join(f"{i} {word}\n" for i, word in zip(IDS, ("PASSED", "XFAIL", "SKIPPED (why)", "ERROR")))
     log = summary._VERBOSE_LINE
     assert [log.match(line).group(2) for line in lines.splitlines()] == ["PASSED", "XFAIL", "SKIPPED", "ERROR"]
+    # A parametrized test's name is whole, as its JUnit report and the id list give it.
+    assert log.match("test_tensorflow.py::test_p[2-float32] PASSED [ 5%]").group(1) == "test_p[2-float32]"
 
 
 def test_the_last_attempt_to_run_a_test_decides_it(tmp_path):
