@@ -6,10 +6,10 @@ The contract.
   ``broadcast``, ``alltoall``, ``reducescatter``, ``barrier``, their
   async and grouped forms) is collective over its process set: every
   member must submit an op of the same name (unnamed ops are named
-  ``noname.<n>`` by one counter per process set and thread, whatever
-  their kind, so ranks making the same unnamed calls in the same order on
-  the same thread match, and two threads' unnamed ops never pair:
-  :class:`Names <ringtrain.engine.negotiation.Names>`). ``join`` is collective over
+  ``noname.<n>`` by a counter per process set, kind and thread, so ranks
+  making the same unnamed calls in the same order on the same thread
+  match, and two threads' unnamed ops never pair: :class:`Names
+  <ringtrain.engine.negotiation.Names>`). ``join`` is collective over
   every rank; so are ``init``, ``shutdown``, ``add_process_set``,
   ``remove_process_set`` and ``stop_timeline``, in the same order everywhere.
 * **Ordering.** Within a process set, ranks may submit named ops in any

@@ -20,10 +20,9 @@ op, :func:`verdict` says, the same on every rank, what becomes of it:
 
 Names are per kind, as in Horovod (an allreduce and a broadcast may share
 one): the key of an op is ``"<kind>.<name>"``; unnamed ops are named
-``noname.<n>`` by one counter per process set and thread, whatever their
-kind (:class:`Names`), so ranks making the same unnamed calls in the same
-order on the same thread match, two threads' unnamed ops never pair, and
-ranks whose *n*-th unnamed op is of another kind are told so (:func:`conflicts`).
+``noname.<n>`` by a counter per process set, kind and thread
+(:class:`Names`), so ranks making the same unnamed calls in the same order
+on the same thread match, and two threads' unnamed ops never pair.
 """
 
 import dataclasses
@@ -191,7 +190,7 @@ def op_label(key, records=()):
 
 
 class Names:
-    """Names for unnamed ops, counted per process set and submitting thread, one count for every kind.
+    """Names for unnamed ops, counted per process set, kind and submitting thread.
 
     Unnamed ops match by the order in which they are submitted, which
     only one thread can fix: two threads that submit in one order on one
@@ -204,13 +203,6 @@ class Names:
     on the other ranks (threads started in the same order get the same
     names); one that has no counterpart is reported by the stall inspector
     and fails at ringtrain's bound, like any op a rank never submits.
-
-    One count for every kind, as Horovod's handles are: where one rank's
-    *n*-th unnamed op is an allreduce and another's an allgather, the two
-    share a name, and the leader reports the conflict (:func:`conflicts`)
-    instead of each waiting for the other's op of its own kind. Engine
-    changes (kind ``"call"``) keep a count of their own: every rank makes
-    them, in one order, whatever unnamed ops it submits around them.
     """
 
     def __init__(self):
@@ -218,7 +210,7 @@ class Names:
 
     def next(self, process_set, kind, thread=None):
         """The next name for an unnamed op; ``thread`` is :func:`thread_label`'s (None: the main thread's)."""
-        key = (process_set, kind == "call", thread)
+        key = (process_set, kind, thread)
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
         return f"noname.{n}" if thread is None else f"noname.{thread}.{n}"
@@ -462,13 +454,11 @@ def conflicts(process_set, waiting, reports, probe_s):
     """
     found = []
     for key, age, missing in waiting:
-        if age < probe_s:
+        if age < probe_s or user_name(key).startswith("noname."):  # unnamed ops of two sets are two ops
             continue
-        # Unnamed ops are counted per set: two sets' noname.3 are two ops, one set's are the same op.
-        unnamed = user_name(key).startswith("noname.")
         for rank in missing:
             other = next(((ps, k) for ps, k in reports.get(rank, ()) if user_name(k) == user_name(key)
-                          and (ps, k) != (process_set, key) and not (unnamed and ps != process_set)), None)
+                          and (ps, k) != (process_set, key)), None)
             if other is not None:
                 mine, theirs = key.partition(".")[0], other[1].partition(".")[0]
                 found.append((key, f"{mine} {user_name(key)!r}: rank {rank} submitted it as {theirs} on process "

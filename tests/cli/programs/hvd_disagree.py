@@ -3,7 +3,7 @@
     python hvd_disagree.py CASE SIDE
 
 CASE names what the two programs disagree on (shape, dtype, op, root,
-trailing, kind, unnamed_kind, set, grouped, splits, large; nan is a case where they agree
+trailing, kind, set, grouped, splits, large; nan is a case where they agree
 on a NaN factor); SIDE (``a`` or ``b``) is which of the two this rank is.
 Every rank prints one line: ``mismatch: <message>`` if the collective raised
 a RuntimeError or ValueError, ``ok`` if it did not; then one more collective
@@ -31,8 +31,6 @@ def call(case, side, ps):
         return hvd.allgather(torch.ones(2, 3 + b), name="x")
     if case == "kind":  # one name, two kinds
         return (hvd.allgather if b else hvd.allreduce)(torch.ones(3), name="x")
-    if case == "unnamed_kind":  # each rank's first unnamed op, of two kinds: no bound needed to tell
-        return (hvd.allgather if b else hvd.allreduce)(torch.ones(3))
     if case == "set":  # one name, two process sets (of the same ranks)
         return hvd.allreduce(torch.ones(3), name="x", process_set=ps if b else hvd.global_process_set)
     if case == "grouped":
