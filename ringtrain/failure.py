@@ -24,7 +24,7 @@ __all__ = ["agree", "verdict_of", "abort_on_error", "describe"]
 
 
 # A line of a message that names an exception: "RuntimeError: ...", "errors_impl.UnknownError: ...".
-_CAUSE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b")
+_CAUSE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(:|$)")
 
 
 def describe(exc):

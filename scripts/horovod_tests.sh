@@ -47,8 +47,8 @@ python="${PYTHON:-$root/.venv/bin/python}"; [ -x "$python" ] || python="$(comman
 mpirun="${MPIRUN:-$(dirname "$python")/mpirun}"; [ -x "$mpirun" ] || mpirun="$(command -v mpirun)"
 timeout_s="${TIMEOUT:-300}"
 if [ -n "${KEEP_LOGS:-}" ]; then
-    if [ -e "$KEEP_LOGS" ] && [ -n "$(ls -A "$KEEP_LOGS" 2>/dev/null)" ]; then
-        echo "$0: KEEP_LOGS must name an empty or new directory, got '$KEEP_LOGS' (it holds files)" >&2
+    if [ -e "$KEEP_LOGS" ] && { [ ! -d "$KEEP_LOGS" ] || [ -n "$(ls -A "$KEEP_LOGS")" ]; }; then
+        echo "$0: KEEP_LOGS must name an empty or new directory, got '$KEEP_LOGS' (not an empty directory)" >&2
         exit 2
     fi
     mkdir -p "$KEEP_LOGS" && reports="$(cd "$KEEP_LOGS" && pwd)" || exit 2
@@ -73,7 +73,7 @@ for np in "${nps[@]}"; do
     for list in "$reports"/chunk-*; do
         todo="$list"; attempt=0
         while [ -s "$todo" ]; do
-            out="$reports/np$np/$(basename "$list").$(printf %02d "$attempt")"
+            out="$reports/np$np/$(basename "$list").$(printf %03d "$attempt")"
             mkdir -p "$out"
             # PMI_RANK (MPICH) or OMPI_COMM_WORLD_RANK (Open MPI) names each rank's report and log.
             timeout -k 10 "$timeout_s" "$mpirun" -np "$np" bash -c \
@@ -81,9 +81,13 @@ for np in "${nps[@]}"; do
                     -p no:cacheprovider -o faulthandler_timeout=120 $(cat "$4") \
                     --junitxml="$3/rank-$r.xml" > "$3/rank-$r.log" 2>&1' \
                 _ "$checkout/test/parallel" "$python" "$out" "$todo" "$plugins" > "$out/mpirun.log" 2>&1
-            [ $? -eq 124 ] && echo "np=$np $(basename "$out"): timed out after ${timeout_s}s" >&2
-            # The tests after the first one that did not pass on every rank run again, in a new mpirun.
-            "$python" "$here/horovod_tests_summary.py" --rest "$np" "$todo" "$out" > "$out/rest"
+            case $? in 124|137) echo "np=$np $(basename "$out"): timed out after ${timeout_s}s" >&2;; esac
+            # The tests after the first one that did not pass on every rank run again, in a new mpirun
+            # (none when nothing ran at all: see horovod_tests_summary.rest).
+            if ! "$python" "$here/horovod_tests_summary.py" --rest "$np" "$todo" "$out" > "$out/rest"; then
+                echo "np=$np $(basename "$out"): could not read the attempt's outcomes; the chunk ends here" >&2
+                : > "$out/rest"
+            fi
             todo="$out/rest"; attempt=$((attempt + 1))
         done
     done

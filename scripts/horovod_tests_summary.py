@@ -27,8 +27,10 @@ import sys
 import xml.etree.ElementTree as ET
 
 _VERBOSE_LINE = re.compile(r"^\S*::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
-_OUTCOME = {"PASSED": "passed", "XFAIL": "passed", "XPASS": "passed", "SKIPPED": "skipped"}
-_NO_OUTCOME = "no outcome from this rank (killed, or cut off by the bound, while the test ran)"
+# As pytest's JUnit report counts them: an expected failure is a skip, an unexpected pass a pass.
+_OUTCOME = {"PASSED": "passed", "XPASS": "passed", "SKIPPED": "skipped", "XFAIL": "skipped"}
+_NO_OUTCOME = ("no outcome from this rank (it did not run the test, or was killed or cut off by the bound "
+               "while it ran: see the attempt's rank and mpirun logs)")
 
 
 def from_junit(path):
@@ -85,7 +87,15 @@ def verdict(results):
 
 
 def rest(ids, per_rank):
-    """The test ids after the first one without a pass or skip on every rank; [] when there is none (pure)."""
+    """The test ids after the first one without a pass or skip on every rank; [] when there is none (pure).
+
+    Also [] when no rank has an outcome for any of ``ids``: nothing ran (mpirun
+    or pytest did not start, an id was not found), and running the list again,
+    one id shorter each time, would cost a start or a bound per test.
+    """
+    names = {test_id.rsplit("::", 1)[-1] for test_id in ids}
+    if not any(names & set(r) for r in per_rank):
+        return []
     for i, test_id in enumerate(ids):
         if verdict([r.get(test_id.rsplit("::", 1)[-1]) for r in per_rank])[0] == "failed":
             return ids[i + 1:]
@@ -100,7 +110,7 @@ def read_ids(path):
 def summary(np_, names, directory):
     """{outcome: [(name, message)]} over every attempt under ``directory``, the last to run a test deciding."""
     last = {}
-    for attempt in sorted(glob.glob(os.path.join(directory, "*", ""))):
+    for attempt in sorted(glob.glob(os.path.join(directory, "*", ""))):  # chunk-NNN.AAA: in the order they ran
         per_rank = attempt_outcomes(attempt, np_)
         for name in {n for r in per_rank for n in r}:
             last[name] = [r.get(name) for r in per_rank]

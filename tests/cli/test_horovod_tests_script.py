@@ -54,8 +54,8 @@ def test_a_test_failing_on_one_rank_ends_its_mpirun_and_the_chunk_goes_on_in_a_n
                           env=env, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     attempts = sorted(os.listdir(keep / "np2"))
-    assert attempts == ["chunk-000.00", "chunk-000.01"], attempts
-    rerun = (keep / "np2" / "chunk-000.00" / "rest").read_text().split()
+    assert attempts == ["chunk-000.000", "chunk-000.001"], attempts
+    rerun = (keep / "np2" / "chunk-000.000" / "rest").read_text().split()
     assert [test_id.rsplit("::", 1)[-1] for test_id in rerun] == ["test_c", "test_d"]
     lines = done.stdout.splitlines()
     assert "np=2: 3 passed, 1 failed, 0 skipped, of 4" in lines, done.stdout + done.stderr

@@ -27,7 +27,7 @@ def _attempt(path, logs, xml=None):
 
 
 def test_a_killed_ranks_log_tells_what_it_finished_and_a_report_gives_the_message(tmp_path):
-    attempt = _attempt(tmp_path / "chunk-000.00", [
+    attempt = _attempt(tmp_path / "chunk-000.000", [
         "test_torch.py::TorchTests::test_a PASSED   [ 25%]\ntest_torch.py::TorchTests::test_b ",  # killed in b
         "header\ntest_torch.py::TorchTests::test_a PASSED [ 25%]\n"],
         xml={1: JUNIT})
@@ -50,6 +50,9 @@ def test_skips_and_expected_failures_count_as_done_and_a_failure_on_every_rank_i
     assert summary.rest(IDS, per_rank) == IDS[3:]
     everything = [{name.rsplit("::", 1)[-1]: ("passed", "") for name in IDS}] * 3
     assert summary.rest(IDS, everything) == []
+    # Nothing ran (mpirun or pytest never started, or an id was not found): the chunk ends, rather than
+    # running again one id shorter each time.
+    assert summary.rest(IDS, [{}, {"test_other": ("passed", "")}]) == []
     lines = "".join(f"{i} {word}\n" for i, word in zip(IDS, ("PASSED", "XFAIL", "SKIPPED (why)", "ERROR")))
     log = summary._VERBOSE_LINE
     assert [log.match(line).group(2) for line in lines.splitlines()] == ["PASSED", "XFAIL", "SKIPPED", "ERROR"]
@@ -59,10 +62,10 @@ def test_skips_and_expected_failures_count_as_done_and_a_failure_on_every_rank_i
 
 def test_the_last_attempt_to_run_a_test_decides_it(tmp_path):
     # Attempt 00: b failed on rank 1; rank 0 went on into c and failed there when rank 1 left.
-    _attempt(tmp_path / "chunk-000.00", [
+    _attempt(tmp_path / "chunk-000.000", [
         "x::test_a PASSED\nx::test_b PASSED\nx::test_c FAILED\n", "x::test_a PASSED\nx::test_b FAILED\n"])
     # Attempt 01 ran c and d again: both passed on both ranks.
-    _attempt(tmp_path / "chunk-000.01", ["x::test_c PASSED\nx::test_d PASSED\n"] * 2)
+    _attempt(tmp_path / "chunk-000.001", ["x::test_c PASSED\nx::test_d PASSED\n"] * 2)
     result = summary.summary(2, ["test_a", "test_b", "test_c", "test_d"], str(tmp_path))
     assert [n for n, _ in result["passed"]] == ["test_a", "test_c", "test_d"]
     assert [n for n, _ in result["failed"]] == ["test_b"]

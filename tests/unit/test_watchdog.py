@@ -92,6 +92,8 @@ def test_describe_is_one_line_that_keeps_the_cause_of_a_message_of_several():
     want = "UnknownError: Graph execution error: ... RuntimeError: the user's own words"
     assert describe(UnknownError(graph)) == want
     assert describe(ValueError("first\nsecond\n")) == "ValueError: first ... second"
+    tail = ValueError("a\nKeyError: the cause\nErrorHandler gave up")  # a name must end in "Error:" to count
+    assert describe(tail) == "ValueError: a ... KeyError: the cause"
     assert describe(ValueError("one line")) == "ValueError: one line"
     assert describe(KeyError()) == "KeyError"
     assert describe(UsageError("--epochs must be positive")) == "--epochs must be positive"
