@@ -13,8 +13,8 @@ passed if it passed on every rank, skipped if some rank skipped it and none
 failed, failed otherwise, a rank without an outcome (killed, or cut off by
 the bound, while it ran) included.
 
-The first form prints the counts and each failing test with the first line
-of its message, and exits 1 if any test failed. ``--rest`` prints the ids of
+The first form prints the counts and each failing test with every failing
+rank's first line of its message, and exits 1 if any test failed. ``--rest`` prints the ids of
 LIST_FILE that come after its first test without a pass or skip on every
 rank in ATTEMPT_DIR: pytest ran with ``-x``, so a test that fails on one rank
 ends that attempt, and the rest run again in the next (nothing when all passed).
@@ -31,6 +31,11 @@ _VERBOSE_LINE = re.compile(r"^\S*::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPAS
 _OUTCOME = {"PASSED": "passed", "XPASS": "passed", "SKIPPED": "skipped", "XFAIL": "skipped"}
 _NO_OUTCOME = ("no outcome from this rank (it did not run the test, or was killed or cut off by the bound "
                "while it ran: see the attempt's rank and mpirun logs)")
+
+
+def name_of(test_id):
+    """``test_x`` of ``test_file.py::Class::test_x``: what reports and logs name a test by (pure)."""
+    return test_id.rsplit("::", 1)[-1]
 
 
 def from_junit(path):
@@ -93,11 +98,11 @@ def rest(ids, per_rank):
     or pytest did not start, an id was not found), and running the list again,
     one id shorter each time, would cost a start or a bound per test.
     """
-    names = {test_id.rsplit("::", 1)[-1] for test_id in ids}
+    names = {name_of(test_id) for test_id in ids}
     if not any(names & set(r) for r in per_rank):
         return []
     for i, test_id in enumerate(ids):
-        if verdict([r.get(test_id.rsplit("::", 1)[-1]) for r in per_rank])[0] == "failed":
+        if verdict([r.get(name_of(test_id)) for r in per_rank])[0] == "failed":
             return ids[i + 1:]
     return []
 
@@ -131,7 +136,7 @@ def main(argv):
               file=sys.stderr)
         return 2
     np_ = int(argv[1])
-    names = [test_id.rsplit("::", 1)[-1] for test_id in read_ids(argv[2])]
+    names = [name_of(test_id) for test_id in read_ids(argv[2])]
     result = summary(np_, names, argv[3])
     print(f"np={np_}: {len(result['passed'])} passed, {len(result['failed'])} failed, "
           f"{len(result['skipped'])} skipped, of {len(names)}")
