@@ -28,9 +28,9 @@ Example (two ranks; ``mpirun -np 2 python script.py``)::
 """
 
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError, HostsUpdatedInterrupt
-from .ops import (allgather_async, allreduce_async, alltoall_async, barrier, broadcast_async, grouped_allgather_async,
-                  grouped_allreduce_async, grouped_reducescatter_async, join, poll, reducescatter_async, refused,
-                  start_timeline, stop_timeline, synchronize)
+from .ops import (allgather_async, allreduce, allreduce_async, alltoall_async, barrier, broadcast_async,
+                  grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async, join, poll,
+                  reducescatter_async, refused, start_timeline, stop_timeline, synchronize)
 from .process_sets import ProcessSet, communicator_of, global_process_set, included, set_rank
 from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from .runtime import (add_process_set, ccl_built, communicator, cross_rank, cross_size, cuda_built, current,
@@ -39,7 +39,7 @@ from .runtime import (add_process_set, ccl_built, communicator, cross_rank, cros
                       rocm_built, shutdown, size)
 
 __all__ = ["CollectiveMismatchError", "DuplicateNameError", "HorovodInternalError", "HostsUpdatedInterrupt",
-           "allgather_async", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
+           "allgather_async", "allreduce", "allreduce_async", "alltoall_async", "barrier", "broadcast_async",
            "grouped_allgather_async", "grouped_allreduce_async", "grouped_reducescatter_async", "join", "poll",
            "reducescatter_async", "refused", "start_timeline", "stop_timeline", "synchronize", "ProcessSet",
            "add_process_set", "global_process_set", "remove_process_set", "Adasum", "Average", "Max", "Min",

@@ -143,6 +143,15 @@ class Engine:
         (self.channel(set_id) if channel is None else channel).submit(entry)  # (channel() explains a missing one)
         return entry.pending
 
+    def run_now(self, set_id, entry):
+        """:meth:`submit` ``entry`` and wait for it on this thread (:meth:`Channel.run_now
+        <ringtrain.engine.channel.Channel.run_now>`): its Pending, finished."""
+        if self.broken is not None:
+            raise HorovodInternalError(f"{entry.label}: {self.broken}")
+        channel = self.channels.get(set_id)
+        (self.channel(set_id) if channel is None else channel).run_now(entry)
+        return entry.pending
+
     def call(self, what, detail=(), args=()):
         """Run the engine change ``what`` on every rank, in the same order as every other op of set 0.
 

@@ -12,7 +12,7 @@ import threading
 
 from .errors import HorovodInternalError
 
-__all__ = ["Pending", "register", "poll", "synchronize", "outstanding"]
+__all__ = ["Pending", "register", "poll", "synchronize", "outcome", "outstanding"]
 
 _table = {}
 _counter = itertools.count(1)
@@ -113,6 +113,11 @@ def synchronize(handle):
         pending.complete()
     finally:
         _table.pop(handle, None)
+    return outcome(pending)
+
+
+def outcome(pending):
+    """A finished op's output (through its ``finish_fn``), or its error raised as :func:`synchronize` raises it."""
     if pending.error is not None:
         error = pending.error
         if not isinstance(error, RuntimeError):

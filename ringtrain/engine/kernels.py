@@ -138,6 +138,10 @@ def _reduce_in_numpy(record, numpy_dtype, inputs, out):
     n = len(inputs)
     if n == 1:
         np.copyto(total, _flat(inputs[0], out, total, numpy_dtype))
+    elif n == 2 and inputs[0] is out and type(inputs[1]) is memoryview:  # a small op's own side and a peer's bytes
+        np.add(total, np.frombuffer(inputs[1], numpy_dtype), out=total)
+    elif n == 2 and inputs[1] is out and type(inputs[0]) is memoryview:
+        np.add(np.frombuffer(inputs[0], numpy_dtype), total, out=total)
     else:
         later = []
         for x in inputs[2:]:  # out may be one of them: one read after the first sum is a copy, taken before it

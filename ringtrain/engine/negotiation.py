@@ -364,6 +364,9 @@ class Board:
     def __len__(self):
         return len(self._entries)
 
+    def empty(self):
+        return not self._entries
+
     def __contains__(self, key):
         return key in self._entries
 

@@ -31,7 +31,7 @@ from .reduce_ops import Average, op_name
 # Horovod's timeline calls live beside init (which starts one for HOROVOD_TIMELINE) and shutdown (which writes it).
 from .runtime import start_timeline, stop_timeline
 
-__all__ = ["allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
+__all__ = ["allreduce", "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
            "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "barrier",
            "join", "poll", "synchronize", "refused", "alltoall_splits", "start_timeline", "stop_timeline"]
 
@@ -173,36 +173,62 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
 
     ``out=array`` reduces in place. ``synchronize`` returns ``out`` (or ``finish(out)``).
     """
-    if type(array) is np.ndarray and dtype is None and process_set is global_process_set and (
-            out is array or type(out) is np.ndarray and out.shape == array.shape and out.dtype == array.dtype):
-        # The common op, repeated step after step: a host allreduce of the global set whose record this
-        # process has built before (so an array like this one passed every check then). Only the building
-        # is skipped: the op is announced, matched, bounded and failed as every other.
-        key = (array.dtype, array.shape, op, prescale_factor, postscale_factor)
-        record = _HOST_RECORDS.get(key)
-        if record is None:
-            record = _RECORDS.get(("allreduce", array.dtype.name, *key[1:], False))
-            if record is not None:
-                _HOST_RECORDS[key] = record
-        if record is not None:
-            return _submit_host(record, name, (array, out), finish)
+    record = _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_factor)
+    if record is not None:
+        engine = runtime.current().engine
+        return handles.register(engine.submit(0, _host_entry(engine, record, name, (array, out), finish)))
     one = _allreduce_one(op, prescale_factor, postscale_factor)
     return submit("allreduce", name, process_set, lambda: one(array, out, dtype), finish)
+
+
+def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=global_process_set, out=None, dtype=None, finish=None):
+    """Reduce ``array`` as :func:`allreduce_async` does and wait: ``synchronize``'s result, on this thread.
+
+    The blocking form every face's blocking allreduce calls: a small op on
+    an idle set runs alone on the caller's thread without a handle or a
+    queue (:meth:`Channel.run_now <ringtrain.engine.channel.Channel.run_now>`),
+    announced, matched, bounded and failed as every other op.
+    """
+    record = _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_factor)
+    if record is None:
+        return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out,
+                                           dtype, finish))
+    engine = runtime.current().engine
+    return handles.outcome(engine.run_now(0, _host_entry(engine, record, name, (array, out), finish)))
+
+
+def _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_factor):
+    """The record of the common op, repeated step after step, if this process has built it before; else None.
+
+    The common op: a host allreduce of the global set into ``array`` itself
+    or an array like it, whose record an array like this one got after
+    passing every check. Only the building is skipped: the op is announced,
+    matched, bounded and failed as every other.
+    """
+    if type(array) is not np.ndarray or dtype is not None or process_set is not global_process_set or not (
+            out is array or type(out) is np.ndarray and out.shape == array.shape and out.dtype == array.dtype):
+        return None
+    key = (array.dtype, array.shape, op, prescale_factor, postscale_factor)
+    record = _HOST_RECORDS.get(key)
+    if record is None:
+        record = _RECORDS.get(("allreduce", array.dtype.name, *key[1:], False))
+        if record is not None:
+            _HOST_RECORDS[key] = record
+    return record
 
 
 _HOST_RECORDS = {}  # _RECORDS' host allreduces by the array's dtype itself (its name is slow to read)
 
 
-def _submit_host(record, name, args, finish):
-    """:func:`submit` for a checked host allreduce of the global set whose record is built: its tail alone."""
-    engine = runtime.current().engine
+def _host_entry(engine, record, name, args, finish):
+    """The :class:`Entry` of a checked host allreduce of the global set whose record is built: :func:`submit`'s tail."""
     if name is None:
         name = engine.names.next(0, "allreduce", thread_label(current_thread()))
     else:
         name = str(name)
     local = 0 < args[0].nbytes <= engine.settings.local_bytes and record.op != "adasum"
-    entry = Entry("allreduce." + name, (name, 0), "allreduce", record, None, args, handles.Pending(finish), local)
-    return handles.register(engine.submit(0, entry))
+    return Entry("allreduce." + name, (name, 0), "allreduce", record, None, args, handles.Pending(finish), local)
 
 
 def grouped_allreduce_async(arrays_, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,

@@ -52,6 +52,7 @@ _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 _KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
 RUN = "run"
 _NONE = (None, None)
+_NO_RECORDS = {}
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 
@@ -124,6 +125,7 @@ class Protocol:
         self._sends = []
         self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
         self._matched = {}                     # (rank, record id) -> (its record, the equal one of this rank)
+        self._heads = {}                       # key -> what precedes a lone announcement's data (_head)
         self._next_record_id = 0
         self._records = {}                     # rank -> {id: record}
         self._leader_closed = None
@@ -285,7 +287,7 @@ class Protocol:
     def can_run_alone(self, entry):
         """Whether ``entry``, the only op queued, may take :meth:`run_alone`: a small allreduce on an idle set."""
         return (entry.local and entry.kind == "allreduce" and self._others and not self._mine and not self._ordered
-                and not self._to_order and not self._answers and not self._failed_joined and not len(self._board)
+                and not self._to_order and not self._answers and not self._failed_joined and self._board.empty()
                 and self.engine.timeline is None and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record
                 and len(entry.key) <= _KEY_CHARS)
 
@@ -303,11 +305,18 @@ class Protocol:
         read put where :meth:`step` would have put them, and the general
         path goes on from there: errors, stalls and bounds are its.
         """
-        key, record = entry.key, entry.record
-        self._send_alone(key, self._record_ids[id(record)][1], kernels.raw_bytes(entry.args[0]))
-        got, read = {self.rank: (entry.args[0], record)}, []
+        key, record, array = entry.key, entry.record, entry.args[0]
+        head = self._heads.get(key)
+        if head is None or head[0] is not record:
+            head = self._head(key, record)
+        raw = head[1] + array.tobytes()
+        for r in self._others:
+            request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
+            if not request.Test():
+                self._sends.append(request)
+        got, read = {self.rank: (array, record)}, []
         try:
-            heard = self._hear_alone(key, record, got, read, spin, patience)
+            heard = self._hear_alone(key, head[2], record, got, read, spin, patience)
         except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it)
             self._join_general(entry, read)
             raise
@@ -317,30 +326,57 @@ class Protocol:
         self._join_general(entry, read)
         return False
 
-    def _hear_alone(self, key, record, got, read, spin, patience):
-        """Read members' messages into ``read`` and their data for ``key`` into ``got``: True once every member's is.
+    def _head(self, key, record):
+        """``(record, what precedes the data in its lone announcement, the key's UTF-8)``, kept for the next call."""
+        name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
+        fields = _ALONE.pack(self.rank, self._record_ids[id(record)][1], len(name)) + name
+        if len(self._heads) >= 4096:
+            self._heads.clear()
+        head = self._heads[key] = (record, fields + bytes(_aligned(len(fields)) - len(fields)), name)
+        return head
+
+    def _hear_alone(self, key, name, record, got, read, spin, patience):
+        """Read members' messages into ``read`` and their data for ``key`` (``name``, its UTF-8) into ``got``:
+        True once every member's is in.
 
         Stops (False) at the first message that is not a member's lone
-        announcement of ``key`` with ``record``, after ``patience`` seconds, or
-        as soon as another op is queued here (it must be announced, and the
-        channel's thread cannot while this one drives).
+        announcement of the key with ``record``, after ``patience`` seconds,
+        or as soon as another op is queued here (it must be announced, and
+        the channel's thread cannot while this one drives). The loop is
+        :meth:`_next_message` and :meth:`_matching` written out for the
+        message expected: it runs for every small blocking op.
         """
-        start = time.monotonic()
+        improbe, status, start = self.control.improbe, self._status, None
         while True:
-            message = self._next_message()
+            message = improbe(self._any_source, self._any_tag, status)
             if message is None:
-                waited = time.monotonic() - start
-                if waited > patience or self.channel.queued():
+                now = time.monotonic()
+                start = now if start is None else start
+                if now - start > patience or self.channel.queued():
                     return False
-                if waited > spin:  # (as the general path's driver does: a late peer may need this core)
+                if now - start > spin:  # (as the general path's driver does: a late peer may need this core)
                     os.sched_yield()
                 continue
-            read.append(message)
-            kind, body = message
-            theirs = self._matching(kind, body, key, record)
-            if theirs is None or body[0] in got:
+            if status.Get_tag() != ALONE_TAG:
+                read.append(message.recv())
                 return False
-            got[body[0]] = theirs
+            raw = bytearray(status.Get_count(self._byte))
+            message.Recv([raw, self._byte])
+            rank, record_id, length = _ALONE.unpack_from(raw)
+            end = _ALONE.size + length
+            data = memoryview(raw)[_aligned(end):]
+            known = self._records.get(rank, _NO_RECORDS).get(record_id)
+            kept = self._matched.get((rank, record_id))
+            if kept is None or kept[0] is not known or kept[1] is not record or raw[_ALONE.size:end] != name \
+                    or rank in got:
+                theirs = raw[_ALONE.size:end].decode(errors="surrogatepass")
+                read.append(("a", (rank, [(theirs, record_id, None, None, data)])))
+                if self._matching(*read[-1], key, record) is None or rank in got:
+                    return False
+                known = self._records[rank][record_id]
+            else:
+                read.append(("a", (rank, [(key, record_id, None, None, data)])))
+            got[rank] = (data, known)
             if len(got) == len(self.ranks):
                 return True
 
@@ -355,16 +391,6 @@ class Protocol:
             self._complete(entry, result)
         if self._sends:
             self._sends = [r for r in self._sends if not r.Test()]
-
-    def _send_alone(self, key, record_id, data):
-        """Announce one small op to every member as :meth:`_announce` would, raw (no pickling)."""
-        name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
-        padding = bytes(_aligned(_ALONE.size + len(name)) - _ALONE.size - len(name))
-        raw = b"".join((_ALONE.pack(self.rank, record_id, len(name)), name, padding, data))
-        for r in self._others:
-            request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
-            if not request.Test():
-                self._sends.append(request)
 
     def _matching(self, kind, body, key, record):
         """``(data, their record)`` if ``(kind, body)`` is a member's lone announcement of ``key`` with a record

@@ -25,16 +25,16 @@ import contextlib
 import threading
 
 from ..engine import (Adasum, Average, CollectiveMismatchError, HorovodInternalError, Max, Min, Product,
-                      ProcessSet, Sum, add_process_set, allgather_async, allreduce_async, alltoall_async, barrier,
-                      broadcast_async, communicator_of, cross_rank, cross_size, current, global_process_set,
-                      grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async, helper, init,
-                      is_homogeneous, is_initialized, join, local_rank, local_size, poll, rank, reducescatter_async,
-                      remove_process_set, shutdown, size, synchronize)
+                      ProcessSet, Sum, add_process_set, allgather_async, allreduce, allreduce_async, alltoall_async,
+                      barrier, broadcast_async, communicator_of, cross_rank, cross_size, current,
+                      global_process_set, grouped_allgather_async, grouped_allreduce_async,
+                      grouped_reducescatter_async, helper, init, is_homogeneous, is_initialized, join, local_rank,
+                      local_size, poll, rank, reducescatter_async, remove_process_set, shutdown, size, synchronize)
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "CollectiveMismatchError",
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init", "shutdown",
            "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-           "is_homogeneous", "allreduce_async", "grouped_allreduce_async", "allgather_async",
+           "is_homogeneous", "allreduce", "allreduce_async", "grouped_allreduce_async", "allgather_async",
            "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
            "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "helper", "scatter_rows",
            "communicator_of", "process_set_by_id", "call", "default_name", "name_or_default"]

@@ -90,8 +90,13 @@ def _translated(error):
 
 def _finish(submit):
     """``synchronize(submit())``, the engine's errors as TensorFlow's (submit may refuse, synchronize fail)."""
+    return _run(lambda: engine.synchronize(submit()))
+
+
+def _run(call):
+    """``call()``, a blocking engine call, its errors as TensorFlow's."""
     try:
-        return engine.synchronize(submit())
+        return call()
     except (engine.HorovodInternalError, ValueError) as exc:
         raise _translated(exc) from None
 
@@ -209,8 +214,8 @@ def eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process
     failed alike, with the least between the caller and the engine: the
     tensor's own memory (``_numpy()``, not ``numpy()``'s copy) as the input,
     a new array as the output (so the engine's cached record of the op and
-    its path for a blocking small op are taken), and one tensor made from it
-    (on the current device, as ``tf.convert_to_tensor`` makes it). On the
+    its blocking call's lane for a small op are taken), and one tensor made
+    from it (on the current device, as ``tf.convert_to_tensor`` makes it). On the
     host that tensor is the array's own memory, handed over by DLPack: making
     a tensor from an array copies it, and costs more than the op's messages.
     """
@@ -219,7 +224,7 @@ def eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process
         array = np.asarray(array)
     out = _aligned_empty(array.shape, array.dtype)
     name = engine.name_or_default(name)
-    _finish(lambda: engine.allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out=out))
+    _run(lambda: engine.allreduce(array, name, op, prescale_factor, postscale_factor, process_set, out=out))
     device = _context().device_name
     if not device or "device:CPU:" in device:
         return _from_dlpack(out.__dlpack__())  # (nobody else holds out: the tensor owns it from here)

@@ -28,7 +28,7 @@ import torch
 from ..engine import handles, runtime
 from .ops_async import (allgather_async, alltoall_async, broadcast_async, broadcast_async_, grouped_allgather_async,
                         grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async, resolve_op)
-from .ops_async import allreduce_async, allreduce_async_, grouped_allreduce_async_
+from .ops_async import allreduce_async, allreduce_now, grouped_allreduce_async_
 from ..engine.process_sets import global_process_set
 from ..engine.reduce_ops import Average, Sum
 
@@ -72,12 +72,12 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return _sync(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
+        return allreduce_now(tensor, False, None, name, op, prescale_factor, postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
         op, pre, post, ps = ctx.args
-        return _sync(allreduce_async(grad_output, None, None, op, pre, post, ps)), None, None, None, None, None
+        return allreduce_now(grad_output, False, None, None, op, pre, post, ps), None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -92,8 +92,8 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` across ranks in place, outside autograd (a parameter under ``no_grad``); return it."""
-    _sync(allreduce_async_(_in_place(_dense(tensor, "allreduce_")), average, name, op, prescale_factor,
-                           postscale_factor, process_set))
+    allreduce_now(_in_place(_dense(tensor, "allreduce_")), True, average, name, op, prescale_factor, postscale_factor,
+                  process_set)
     return tensor
 
 

@@ -21,7 +21,8 @@ from ..engine.process_sets import global_process_set
 from ..engine.reduce_ops import Average, Sum
 from .tensors import array_of, check_tensor, engine_view, tensor_of
 
-__all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
+__all__ = ["allreduce_async", "allreduce_async_", "allreduce_now", "grouped_allreduce_async",
+           "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
            "reducescatter_async", "grouped_reducescatter_async", "barrier", "join", "resolve_op", "alltoall_splits",
            "start_timeline", "stop_timeline"]
@@ -73,6 +74,21 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     array, dtype = _view("allreduce", tensor, name, process_set)
     return ops.allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out=array,
                                dtype=dtype, finish=lambda _: tensor)
+
+
+def allreduce_now(tensor, in_place, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                  process_set=global_process_set):
+    """Reduce ``tensor`` (in place, or into a new tensor) and return the result, waiting on this thread.
+
+    ``synchronize(allreduce_async_(...))`` without the handle: a small op
+    on an idle set runs alone (:func:`ringtrain.engine.ops.allreduce`).
+    """
+    op = resolve_op(op, average)
+    array, dtype = _view("allreduce", tensor, name, process_set)
+    result = tensor if in_place else _new_like(tensor)
+    out = array if in_place else array_of(result)[0]
+    ops.allreduce(array, name, op, prescale_factor, postscale_factor, process_set, out=out, dtype=dtype)
+    return result
 
 
 def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, process_set, in_place):

@@ -158,37 +158,68 @@ def test_ranks_that_disagree_all_get_a_mismatch_error():
         engine.synchronize(engine.allreduce_async(a, name="bad"))
 
 
+def _through_a_handle(a, **kwargs):
+    return engine.synchronize(engine.allreduce_async(a, **kwargs))
+
+
+# A blocking small allreduce on an idle set runs alone, from synchronize (Protocol.run_alone, the op queued
+# first) or from the blocking call (engine.allreduce: Channel.run_now, never queued): the tests below take both.
+BLOCKING = pytest.mark.parametrize("reduce", [_through_a_handle, engine.allreduce], ids=["handle", "blocking"])
+
+
 @pytest.mark.mpi
+@BLOCKING
 @pytest.mark.parametrize("late", [0.0, 0.2])
-def test_a_loop_of_small_blocking_ops_matches_mpi_whoever_is_late(late):
-    # A blocking small allreduce on an idle set runs alone (Protocol.run_alone); a member late now and then
-    # (``late``: the share of steps a rank sleeps first) sends the others down the general path mid-loop,
-    # with its announcement and theirs already sent. Every result must still be MPI's, on every rank.
+def test_a_loop_of_small_blocking_ops_matches_mpi_whoever_is_late(late, reduce):
+    # A member late now and then (``late``: the share of steps a rank sleeps first) sends the others down
+    # the general path mid-loop, with its announcement and theirs already sent. Every result must still be
+    # MPI's, on every rank, in place, into an output or into a new array.
     rng = np.random.default_rng(RANK)
     inputs = [_values((16, 4), step * SIZE + RANK) for step in range(200)]
     results = []
     for step, a in enumerate(inputs):
         if rng.random() < late:
             time.sleep(rng.uniform(0, 0.002))
-        results.append(engine.synchronize(engine.allreduce_async(a.copy(), name=f"loop{step % 3}", op=engine.Sum)))
+        a = a.copy()
+        out = (a, np.empty_like(a), None)[step % 3]
+        results.append(reduce(a, name=f"loop{step % 3}", op=engine.Sum, out=out))
+        assert out is None or results[-1] is out
     everyone = COMM.allgather(inputs)
     for step, result in enumerate(results):
         np.testing.assert_array_equal(result, np.sum([e[step] for e in everyone], 0), err_msg=f"step {step}")
 
 
 @pytest.mark.mpi
-def test_a_record_that_changes_after_a_warm_loop_is_a_mismatch_on_every_rank():
+@BLOCKING
+def test_a_record_that_changes_after_a_warm_loop_is_a_mismatch_on_every_rank(reduce):
     # After a loop every rank runs alone, the ranks' records are cached: a rank whose next op differs
     # (its prescale factor here) must still fail the op on every rank, as the general path fails it.
     if SIZE == 1:
         pytest.skip("one rank cannot disagree with itself")
     a = np.ones(8, np.float32)
     for _ in range(50):
-        engine.synchronize(engine.allreduce_async(a, name="warm", out=a))
+        reduce(a, name="warm", out=a)
     factor = 2.0 if RANK == SIZE - 1 else 1.0
     with pytest.raises(engine.CollectiveMismatchError, match="ranks submitted different"):
-        engine.synchronize(engine.allreduce_async(a, name="warm", out=a, prescale_factor=factor))
-    np.testing.assert_array_equal(engine.synchronize(engine.allreduce_async(a, name="warm", out=a)), 1.0)
+        reduce(a, name="warm", out=a, prescale_factor=factor)
+    np.testing.assert_array_equal(reduce(a, name="warm", out=a), 1.0)
+
+
+@pytest.mark.mpi
+def test_a_blocking_op_beside_async_ops_in_flight_runs_in_their_turn_and_a_name_in_flight_is_refused():
+    # With ops in flight the blocking call cannot run alone: it is queued behind them, and the name of
+    # one in flight is refused on this rank (every rank here), the op in flight going on unharmed.
+    warm = np.ones(4, np.float32)
+    for _ in range(20):
+        engine.allreduce(warm, name="first", op=engine.Sum, out=warm.copy())
+    first, second = _values((4,), RANK), _values((4,), RANK + 50)
+    handle = engine.allreduce_async(first, name="first", op=engine.Sum)
+    with pytest.raises(engine.DuplicateNameError, match="already in flight"):
+        engine.allreduce(first, name="first", op=engine.Sum)
+    got_second = engine.allreduce(second, name="second", op=engine.Sum)
+    got_first = engine.synchronize(handle)
+    np.testing.assert_array_equal(got_first, _everyone(first).sum(0))
+    np.testing.assert_array_equal(got_second, _everyone(second).sum(0))
 
 
 @pytest.mark.mpi
