@@ -2,8 +2,8 @@
 
 One launch (under mpirun) times three ways of the same 4 KiB float32 sum,
 interleaved: the face's ``hvd.allreduce`` of a tensor, the engine's own op
-on the NumPy array (``ringtrain.engine.allreduce_async`` + ``synchronize``,
-what the face calls: the difference is the face's), and the library's
+on the NumPy array (``ringtrain.engine.allreduce``, the blocking call the
+face makes: the difference is the face's), and the library's
 ``ringtrain.allreduce_``. Rounds of CALLS calls of each, each batch started
 after a barrier; the per-call time of a round is the slowest rank's, and
 the launch prints the medians over rounds, the ratios to the library's and
@@ -45,7 +45,7 @@ def one_launch(nbytes, calls, rounds):
     t = tf.constant(x)
     face = lambda: hvd.allreduce(t, op=hvd.Sum)  # noqa: E731 - the call timed, as a user writes it
     y = x.copy()
-    under = lambda: engine.synchronize(engine.allreduce_async(y, op=hvd.Sum, out=y))  # noqa: E731
+    under = lambda: engine.allreduce(y, op=hvd.Sum, out=y)  # noqa: E731
     library = lambda: ringtrain.allreduce_(x, op="sum")  # noqa: E731
     ways = {"hvd.allreduce": face, "engine": under, "ringtrain.allreduce_": library}
     for fn in ways.values():  # warm every path

@@ -19,7 +19,7 @@ from ..engine import ops
 from ..engine.ops import alltoall_splits, barrier, join as _engine_join, start_timeline, stop_timeline
 from ..engine.process_sets import global_process_set
 from ..engine.reduce_ops import Average, Sum
-from .tensors import array_of, check_tensor, engine_view, tensor_of
+from .tensors import array_of, check_tensor, engine_view, known_view, tensor_of
 
 __all__ = ["allreduce_async", "allreduce_async_", "allreduce_now", "grouped_allreduce_async",
            "grouped_allreduce_async_",
@@ -46,6 +46,9 @@ def _views(kind, tensors, name, process_set):
 
 def _view(kind, tensor, name, process_set):
     """``(array, dtype)`` of one tensor for the engine (:func:`~ringtrain.torch.tensors.engine_view`), checked."""
+    known = known_view(tensor)
+    if known is not None:
+        return known, None
     problem = check_tensor(tensor, kind)
     if problem is not None:
         raise ops.refused(kind, problem, name, process_set) from None

@@ -17,8 +17,8 @@ import torch
 
 from .. import backend
 
-__all__ = ["SUPPORTED", "check_tensor", "dtype_name", "array_of", "engine_view", "tensor_of", "stream_of", "sync",
-           "as_array", "as_tensor"]
+__all__ = ["SUPPORTED", "check_tensor", "dtype_name", "array_of", "engine_view", "known_view", "tensor_of",
+           "stream_of", "sync", "as_array", "as_tensor"]
 
 # What Horovod's torch ops accept.
 SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -95,6 +95,18 @@ def engine_view(tensor):
     if tensor.is_cpu and tensor.is_contiguous():
         return _host_view(tensor), None
     return as_array(tensor), None
+
+
+def known_view(tensor):
+    """The view :func:`engine_view` gave before for this contiguous CPU tensor's memory, or None.
+
+    Only tensors that passed :func:`check_tensor` have views kept (and no
+    bfloat16 one), so a view found here needs no check again: the look-up
+    every blocking small op starts with.
+    """
+    if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.is_contiguous():
+        return _VIEWS.get((tensor.data_ptr(), tensor.dtype, tensor.shape))
+    return None
 
 
 def _host_view(tensor):
