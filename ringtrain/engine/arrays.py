@@ -43,7 +43,8 @@ def check_array(array, who, dtype=None):
         return f"{who}: expected a NumPy or CuPy array, got {type(array).__name__}"
     name = element_name(array, dtype)
     if name not in _SUPPORTED:
-        return f"{who}: element type {name} is not supported; use one of {', '.join(SUPPORTED)}"
+        what = " (strings or Python objects)" if array.dtype.kind in "OSU" else ""  # (a string tensor's array)
+        return f"{who}: element type {name}{what} is not supported; use one of {', '.join(SUPPORTED)}"
     if name == "bfloat16" and array.dtype.itemsize != 2:
         return f"{who}: dtype='bfloat16' needs an array of 16-bit elements (its bits), got {array.dtype.name}"
     return None

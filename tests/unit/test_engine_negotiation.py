@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from ringtrain.engine import kernels
+from ringtrain.engine import arrays, kernels
 from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Allgather, Allreduce, Alltoall, Announcement,
                                           Barrier, Board, Broadcast, Call, Grouped, Names, Reducescatter, Refused,
                                           conflicts, first_difference, join_blocks, same_value, stall_report,
@@ -193,6 +193,26 @@ def test_the_fast_sum_gives_the_bits_of_summing_in_member_order():
     # In place, in the middle: its own value must be read before it is overwritten.
     got = kernels.reduce_locally(reduction(shape=(64,), op="average"), views, views[2])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("op", ["sum", "average"])
+@pytest.mark.parametrize("mine_first", [True, False])
+def test_a_lone_ops_two_inputs_its_own_and_a_peers_bytes_give_numpys_result_in_place(op, mine_first):
+    # The lone lane's case at 2 ranks: this rank's array is the output, the peer's comes as received bytes.
+    rng = np.random.default_rng(1)
+    mine, theirs = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2))
+    want = (mine + theirs) / np.float32(2) if op == "average" else mine + theirs
+    out = mine.copy()
+    received = memoryview(bytearray(theirs.tobytes()))
+    inputs = [out, received] if mine_first else [received, out]
+    got = kernels.reduce_locally(reduction(shape=(4, 8), op=op), inputs, out)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+
+
+def test_an_array_of_strings_is_refused_naming_what_it_holds():
+    problem = arrays.check_array(np.array([b"a", b"bc"], dtype=object), "allgather")
+    assert problem.startswith("allgather: element type object (strings or Python objects) is not supported; use")
 
 
 def test_fusion_keys_treat_nan_factors_alike():
