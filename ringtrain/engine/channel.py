@@ -151,19 +151,26 @@ class Channel:
 
     def _claim_alone(self, entry):
         """Take the driver and put ``entry``'s name in flight if the set is idle and ``entry`` may run alone."""
-        if self._queue or self.in_flight or self._closing is not None or self.closed is not None \
-                or not self._driver.acquire(False):
+        if not self._idle() or not self._driver.acquire(False):
             return False
-        if self.protocol.can_run_alone(entry):
-            with self._lock:  # (another thread may have submitted since: its op goes first, through the queue)
-                claimed = not (self._queue or self.in_flight or self._closing is not None or self.closed is not None)
+        try:
+            if self.protocol.can_run_alone(entry):
+                with self._lock:  # (another thread may have submitted since: its op goes first, through the queue)
+                    claimed = self._idle()
+                    if claimed:
+                        self.in_flight.add(entry.key)
                 if claimed:
-                    self.in_flight.add(entry.key)
-            if claimed:
-                self._driving = True
-                return True
+                    self._driving = True
+                    return True
+        except BaseException:  # (a Ctrl-C here must not leave the set without a driver for good)
+            self._driver.release()
+            raise
         self._driver.release()
         return False
+
+    def _idle(self):
+        """Nothing queued or in flight on this rank, and the set open."""
+        return not (self._queue or self.in_flight or self._closing is not None or self.closed is not None)
 
     def _alone(self, pending):
         """The entry of ``pending`` taken off the queue if it is the only op and may run alone, else None."""

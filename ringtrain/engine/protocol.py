@@ -227,6 +227,7 @@ class Protocol:
             return record_id, False
         if len(self._record_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its record,
             self._record_ids.clear()       # so the members' tables of ids stay as small)
+            self._heads.clear()            # (the lone announcements' heads hold the old ids)
             self._next_record_id = 0
         self._next_record_id += 1
         self._record_ids[id(record)] = (record, self._next_record_id)  # kept alive: its id is not reused
@@ -262,12 +263,16 @@ class Protocol:
             return None
         if status.Get_tag() != ALONE_TAG:
             return message.recv()
-        raw = bytearray(status.Get_count(self._byte))
+        rank, record_id, name, data = self._receive_alone(message)
+        return "a", (rank, [(name.decode(errors="surrogatepass"), record_id, None, None, data)])
+
+    def _receive_alone(self, message):
+        """A lone announcement probed in ``self._status``: ``(rank, record id, the key's UTF-8, data)``."""
+        raw = bytearray(self._status.Get_count(self._byte))
         message.Recv([raw, self._byte])
         rank, record_id, length = _ALONE.unpack_from(raw)
         end = _ALONE.size + length
-        name = raw[_ALONE.size:end].decode(errors="surrogatepass")
-        return "a", (rank, [(name, record_id, None, None, memoryview(raw)[_aligned(end):])])
+        return rank, record_id, raw[_ALONE.size:end], memoryview(raw)[_aligned(end):]
 
     def _act(self, kind, body, now):
         """Act on one message from a member."""
@@ -309,15 +314,13 @@ class Protocol:
         head = self._heads.get(key)
         if head is None or head[0] is not record:
             head = self._head(key, record)
-        raw = head[1] + array.tobytes()
-        for r in self._others:
-            request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
-            if not request.Test():
-                self._sends.append(request)
         got, read = {self.rank: (array, record)}, []
         try:
+            self._send_raw(head[1] + array.tobytes())
             heard = self._hear_alone(key, head[2], record, got, read, spin, patience)
-        except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it)
+        except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it;
+            # one that came before every member was sent it leaves the op to the stall bounds, not a name
+            # stuck in flight for good)
             self._join_general(entry, read)
             raise
         if heard:
@@ -325,6 +328,13 @@ class Protocol:
             return True
         self._join_general(entry, read)
         return False
+
+    def _send_raw(self, raw):
+        """Send a lone announcement to every member (raw: any member's :meth:`_next_message` reads it)."""
+        for r in self._others:
+            request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
+            if not request.Test():
+                self._sends.append(request)
 
     def _head(self, key, record):
         """``(record, what precedes the data in its lone announcement, the key's UTF-8)``, kept for the next call."""
@@ -343,8 +353,9 @@ class Protocol:
         announcement of the key with ``record``, after ``patience`` seconds,
         or as soon as another op is queued here (it must be announced, and
         the channel's thread cannot while this one drives). The loop is
-        :meth:`_next_message` and :meth:`_matching` written out for the
-        message expected: it runs for every small blocking op.
+        :meth:`_next_message` with the match :meth:`_matching` remembers
+        checked first, and :meth:`_matching` itself only for anything else:
+        it runs for every small blocking op.
         """
         improbe, status, start = self.control.improbe, self._status, None
         while True:
@@ -360,17 +371,11 @@ class Protocol:
             if status.Get_tag() != ALONE_TAG:
                 read.append(message.recv())
                 return False
-            raw = bytearray(status.Get_count(self._byte))
-            message.Recv([raw, self._byte])
-            rank, record_id, length = _ALONE.unpack_from(raw)
-            end = _ALONE.size + length
-            data = memoryview(raw)[_aligned(end):]
+            rank, record_id, theirs, data = self._receive_alone(message)
             known = self._records.get(rank, _NO_RECORDS).get(record_id)
-            kept = self._matched.get((rank, record_id))
-            if kept is None or kept[0] is not known or kept[1] is not record or raw[_ALONE.size:end] != name \
-                    or rank in got:
-                theirs = raw[_ALONE.size:end].decode(errors="surrogatepass")
-                read.append(("a", (rank, [(theirs, record_id, None, None, data)])))
+            kept = self._matched.get((rank, record_id))  # (what _matching remembers of an earlier match)
+            if kept is None or kept[0] is not known or kept[1] is not record or theirs != name or rank in got:
+                read.append(("a", (rank, [(theirs.decode(errors="surrogatepass"), record_id, None, None, data)])))
                 if self._matching(*read[-1], key, record) is None or rank in got:
                     return False
                 known = self._records[rank][record_id]

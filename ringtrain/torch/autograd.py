@@ -72,12 +72,15 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return allreduce_now(tensor, False, None, name, op, prescale_factor, postscale_factor, process_set)
+        return allreduce_now(tensor, in_place=False, name=name, op=op, prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
         op, pre, post, ps = ctx.args
-        return allreduce_now(grad_output, False, None, None, op, pre, post, ps), None, None, None, None, None
+        reduced = allreduce_now(grad_output, in_place=False, op=op, prescale_factor=pre, postscale_factor=post,
+                                process_set=ps)
+        return reduced, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -92,8 +95,8 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Reduce ``tensor`` across ranks in place, outside autograd (a parameter under ``no_grad``); return it."""
-    allreduce_now(_in_place(_dense(tensor, "allreduce_")), True, average, name, op, prescale_factor, postscale_factor,
-                  process_set)
+    allreduce_now(_in_place(_dense(tensor, "allreduce_")), in_place=True, average=average, name=name, op=op,
+                  prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
     return tensor
 
 

@@ -8,7 +8,8 @@ view of the tensor's memory to the engine (:mod:`ringtrain.engine.ops`;
 collective, in what order, what fails how). ``synchronize(handle)`` returns
 a tensor: the very tensor given, for the in-place forms, whose memory the
 engine wrote; a new tensor (allocated here, written by the engine in
-place) for the others.
+place) for the others. :func:`allreduce_now` is the blocking allreduce
+the blocking faces call: the same op, waited for without a handle.
 """
 
 import warnings

@@ -206,6 +206,20 @@ def test_a_record_that_changes_after_a_warm_loop_is_a_mismatch_on_every_rank(red
 
 
 @pytest.mark.mpi
+@BLOCKING
+def test_a_lone_op_stays_right_after_the_ids_of_records_start_again(reduce):
+    # A broadcast makes a new record every call, so a loop of one named allreduce and one broadcast makes
+    # the ranks start their records' ids again (every 4096): the lone announcement, which carries its
+    # record's id, must carry the new one, or the members read another record under it.
+    a = np.zeros(4, np.float32)
+    for step in range(4200):
+        a[:] = step + RANK
+        got = reduce(a, name="loss", op=engine.Sum, out=a)
+        engine.synchronize(engine.broadcast_async(np.full(2, step, np.float32), 0, name="b"))
+        assert got[0] == SIZE * step + SIZE * (SIZE - 1) // 2, f"step {step}"
+
+
+@pytest.mark.mpi
 def test_a_blocking_op_beside_async_ops_in_flight_runs_in_their_turn_and_a_name_in_flight_is_refused():
     # With ops in flight the blocking call cannot run alone: it is queued behind them, and the name of
     # one in flight is refused on this rank (every rank here), the op in flight going on unharmed.
