@@ -455,20 +455,31 @@ def conflicts(process_set, waiting, reports, probe_s):
         probe_s: how long an op waits before it is compared (ops in flight in
             different orders are not conflicts; only ops that stay unmatched are).
     """
-    found = []
+    found, waiting_here = {}, {key: missing for key, _, missing in waiting}
     for key, age, missing in waiting:
-        if age < probe_s or user_name(key).startswith("noname."):  # unnamed ops of two sets are two ops
+        if age < probe_s or user_name(key).startswith("noname.") or key in found:  # unnamed: two sets, two ops
             continue
         for rank in missing:
             other = next(((ps, k) for ps, k in reports.get(rank, ()) if user_name(k) == user_name(key)
                           and (ps, k) != (process_set, key)), None)
             if other is not None:
-                mine, theirs = key.partition(".")[0], other[1].partition(".")[0]
-                found.append((key, f"{mine} {user_name(key)!r}: rank {rank} submitted it as {theirs} on process "
-                                   f"set {other[0]}, not {mine} on process set {process_set}; every rank must "
-                                   "submit the same op under one name"))
+                found[key] = _conflict(key, other[1], [rank], other[0], process_set)
+                partner = other[1] if other[0] == process_set else None
+                if partner in waiting_here and partner not in found:
+                    # Its ranks fail it now too, whatever its age and the reports so far: left waiting, it
+                    # would pair with the next op of that kind and name, one step off, silently.
+                    by = [r for r in waiting_here[partner] if r not in missing]
+                    found[partner] = _conflict(partner, key, by, process_set, process_set)
                 break
-    return found
+    return list(found.items())
+
+
+def _conflict(key, theirs, ranks, their_set, process_set):
+    """The error of op ``key`` whose name ``ranks`` submitted as op ``theirs`` on set ``their_set`` (pure)."""
+    mine, other = key.partition(".")[0], theirs.partition(".")[0]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    return (f"{mine} {user_name(key)!r}: {who} submitted it as {other} on process set {their_set}, not {mine} on "
+            f"process set {process_set}; every rank must submit the same op under one name")
 
 
 def stall_report(process_set, ranks, waiting, warn_s, shutdown_s):

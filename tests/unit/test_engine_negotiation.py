@@ -127,6 +127,15 @@ def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_c
     assert "rank 1 submitted it as allreduce on process set 3, not allreduce on process set 0" in found["allreduce.y"]
 
 
+def test_both_ops_of_a_conflict_on_one_set_fail_together_whatever_the_reports_say_so_far():
+    # Rank 1 submitted allgather 'x' where rank 0 submitted allreduce 'x'; only rank 1's report has arrived.
+    # Failing one alone would let its rank go on, and its next allreduce 'x' pair with the one left waiting.
+    waiting = [("allreduce.x", 2.0, [1]), ("allgather.x", 0.2, [0])]
+    found = dict(conflicts(0, waiting, {1: [(0, "allgather.x")]}, probe_s=1.0))
+    assert set(found) == {"allreduce.x", "allgather.x"}
+    assert found["allgather.x"].startswith("allgather 'x': rank 0 submitted it as allreduce on process set 0")
+
+
 def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
     waiting = [("barrier.noname.0", 5.0, [0, 2])]
     assert conflicts(0, waiting, {2: [(1, "barrier.noname.0")]}, probe_s=1.0) == []
