@@ -41,6 +41,9 @@ def check_array(array, who, dtype=None):
     """The problem with an array no collective takes, as one line, or None (pure)."""
     if not (isinstance(array, np.ndarray) or backend.is_gpu_array(array)):
         return f"{who}: expected a NumPy or CuPy array, got {type(array).__name__}"
+    if not array.dtype.isnative:  # (its bytes would be read as this host's order, here and on every peer)
+        return (f"{who}: the array's elements are in non-native byte order ({array.dtype.str}); pass "
+                "array.astype(array.dtype.newbyteorder('='))")
     name = element_name(array, dtype)
     if name not in _SUPPORTED:
         what = " (strings or Python objects)" if array.dtype.kind in "OSU" else ""  # (a string tensor's array)

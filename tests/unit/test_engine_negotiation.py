@@ -224,6 +224,13 @@ def test_an_array_of_strings_is_refused_naming_what_it_holds():
     assert problem.startswith("allgather: element type object (strings or Python objects) is not supported; use")
 
 
+def test_an_array_in_non_native_byte_order_is_refused_naming_the_fix():
+    swapped = np.arange(4, dtype=np.dtype(np.int64).newbyteorder())
+    problem = arrays.check_array(swapped, "allreduce")
+    assert problem.startswith("allreduce: the array's elements are in non-native byte order")
+    assert arrays.check_array(swapped.astype(swapped.dtype.newbyteorder("=")), "allreduce") is None
+
+
 def test_fusion_keys_treat_nan_factors_alike():
     assert reduction(prescale=float("nan")).fuse_key() == reduction(prescale=math.nan).fuse_key()
     assert reduction(shape=(3,)).fuse_key() == reduction(shape=(9,)).fuse_key()
