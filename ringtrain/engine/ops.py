@@ -211,7 +211,7 @@ def _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_
         return None
     key = (array.dtype, array.shape, op, prescale_factor, postscale_factor)
     record = _HOST_RECORDS.get(key)
-    if record is None:
+    if record is None and array.dtype.isnative:  # (">i8" is named "int64" too, but is refused: checked each time)
         record = _RECORDS.get(("allreduce", array.dtype.name, *key[1:], False))
         if record is not None:
             _HOST_RECORDS[key] = record

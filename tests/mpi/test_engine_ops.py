@@ -220,6 +220,18 @@ def test_a_lone_op_stays_right_after_the_ids_of_records_start_again(reduce):
 
 
 @pytest.mark.mpi
+@BLOCKING
+def test_an_array_in_non_native_byte_order_is_refused_even_after_a_native_one_of_its_shape(reduce):
+    # A native int64 allreduce of this shape makes a record the common op's shortcut finds by the
+    # element type's name, which ">i8" shares: the swapped array must still be checked, and refused.
+    for _ in range(3):
+        reduce(np.arange(4, dtype=np.int64), name="native", op=engine.Sum)
+    swapped = np.arange(4).astype(">i8")
+    with pytest.raises(ValueError, match="non-native byte order"):
+        reduce(swapped, name="swapped", op=engine.Sum, out=swapped)
+
+
+@pytest.mark.mpi
 def test_a_blocking_op_beside_async_ops_in_flight_runs_in_their_turn_and_a_name_in_flight_is_refused():
     # With ops in flight the blocking call cannot run alone: it is queued behind them, and the name of
     # one in flight is refused on this rank (every rank here), the op in flight going on unharmed.
