@@ -137,20 +137,21 @@ class Engine:
 
     def submit(self, set_id, entry):
         """Queue ``entry`` on its process set's channel (HorovodInternalError once the engine is broken)."""
-        if self.broken is not None:
-            raise HorovodInternalError(f"{entry.label}: {self.broken}")
-        channel = self.channels.get(set_id)
-        (self.channel(set_id) if channel is None else channel).submit(entry)  # (channel() explains a missing one)
+        self._channel_for(set_id, entry).submit(entry)
         return entry.pending
 
     def run_now(self, set_id, entry):
         """:meth:`submit` ``entry`` and wait for it on this thread (:meth:`Channel.run_now
         <ringtrain.engine.channel.Channel.run_now>`): its Pending, finished."""
+        self._channel_for(set_id, entry).run_now(entry)
+        return entry.pending
+
+    def _channel_for(self, set_id, entry):
+        """The channel ``entry`` goes to (HorovodInternalError once the engine is broken)."""
         if self.broken is not None:
             raise HorovodInternalError(f"{entry.label}: {self.broken}")
         channel = self.channels.get(set_id)
-        (self.channel(set_id) if channel is None else channel).run_now(entry)
-        return entry.pending
+        return self.channel(set_id) if channel is None else channel  # (channel() explains a missing one)
 
     def call(self, what, detail=(), args=()):
         """Run the engine change ``what`` on every rank, in the same order as every other op of set 0.

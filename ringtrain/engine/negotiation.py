@@ -465,10 +465,11 @@ def conflicts(process_set, waiting, reports, probe_s):
             if other is not None:
                 found[key] = _conflict(key, other[1], [rank], other[0], process_set)
                 partner = other[1] if other[0] == process_set else None
-                if partner in waiting_here and partner not in found:
-                    # Its ranks fail it now too, whatever its age and the reports so far: left waiting, it
-                    # would pair with the next op of that kind and name, one step off, silently.
-                    by = [r for r in waiting_here[partner] if r not in missing]
+                # The ranks missing from the partner that submitted this op instead: if any, its ranks fail it
+                # now too, whatever its age and the reports so far: left waiting, it would pair with the next
+                # op of that kind and name, one step off, silently.
+                by = [r for r in waiting_here.get(partner, ()) if r not in missing]
+                if by and partner not in found:
                     found[partner] = _conflict(partner, key, by, process_set, process_set)
                 break
     return list(found.items())

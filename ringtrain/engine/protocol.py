@@ -52,7 +52,7 @@ _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 _KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
 RUN = "run"
 _NONE = (None, None)
-_NO_RECORDS = {}
+_NO_RECORDS = {}    # (read only: a member no record was heard from yet)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 

@@ -136,6 +136,14 @@ def test_both_ops_of_a_conflict_on_one_set_fail_together_whatever_the_reports_sa
     assert found["allgather.x"].startswith("allgather 'x': rank 0 submitted it as allreduce on process set 0")
 
 
+def test_an_op_only_a_late_rank_is_missing_from_is_not_failed_with_its_partner():
+    # Ranks 0 and 1 submitted both kinds of 'x', rank 2 only the allgather, rank 3 nothing yet: the
+    # allreduce conflicts with rank 2's allgather, but the allgather waits only for rank 3, rightly.
+    waiting = [("allreduce.x", 2.0, [2, 3]), ("allgather.x", 2.0, [3])]
+    found = dict(conflicts(0, waiting, {2: [(0, "allgather.x")]}, probe_s=1.0))
+    assert set(found) == {"allreduce.x"}
+
+
 def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
     waiting = [("barrier.noname.0", 5.0, [0, 2])]
     assert conflicts(0, waiting, {2: [(1, "barrier.noname.0")]}, probe_s=1.0) == []
