@@ -21,7 +21,8 @@ import threading
 import time
 
 from .errors import DuplicateNameError, HorovodInternalError
-from .protocol import Entry, Protocol
+from .handles import Entry
+from .protocol import Protocol
 
 __all__ = ["Channel", "Entry"]
 
@@ -51,6 +52,7 @@ class Channel:
         self._driver = threading.Lock()
         self._driving = False
         self._queue = []                       # submitted, not yet announced
+        self.requests = []                     # other threads' requests for the driver (Protocol._requests)
         self.in_flight = set()                 # keys from submit until the op completes
         self._closing = None
         self.closed = None                     # why the set's ops fail, once it has closed
@@ -71,6 +73,12 @@ class Channel:
         with self._lock:
             new, self._queue = self._queue, []
         return new
+
+    def take_requests(self):
+        """Other threads' requests since the last call: ops to withdraw, callbacks to run once an op is decided."""
+        with self._lock:
+            taken, self.requests = self.requests, []
+        return taken
 
     def queued(self):
         """Whether ops are queued, not yet announced (a hint: another thread may be adding one)."""
@@ -106,6 +114,24 @@ class Channel:
                 self._start_thread()
             elif self._parked:
                 self._cond.notify()
+
+    def request(self, *request):
+        """Ask the driver for something only it may do (:meth:`Protocol._requests`); False once the set has closed.
+
+        ``("withdraw", key, submitted, why, partner)``: have the leader fail
+        this rank's op ``key`` if it is the one submitted at ``submitted`` and
+        still undecided (another set's leader found it in conflict).
+        ``("after", key, callback)``: call ``callback`` once op ``key`` is decided here.
+        """
+        with self._lock:
+            if self.closed is not None:
+                return False
+            self.requests.append(request)
+            if self._thread is None:
+                self._start_thread()
+            elif self._parked:
+                self._cond.notify()
+        return True
 
     def _start_thread(self):
         if self._thread is None and not self._stopped:
@@ -259,7 +285,7 @@ class Channel:
                 _pause(now - since, self._cycle_s)
 
     def _has_work(self):
-        return bool(self._queue or self.protocol.busy() or (self._closing and not self.closed))
+        return bool(self._queue or self.requests or self.protocol.busy() or (self._closing and not self.closed))
 
     def _thread_main(self):
         while self._wait_for_work():

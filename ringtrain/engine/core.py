@@ -79,10 +79,11 @@ import time
 from ..comm.guard import HINT, get_timeout
 from ..failure import describe
 from .channel import Channel
-from .protocol import PROBE_S, TICK_S, Entry
+from .handles import Entry
+from .protocol import PROBE_S, TICK_S
 from .errors import HorovodInternalError
 from .handles import Pending
-from .negotiation import Call, Names, Refused, op_key, thread_label
+from .negotiation import Call, Names, Refused, op_key, stall_report, thread_label
 
 __all__ = ["Engine", "Entry", "GRACE_S", "HELPER_GRACE_S"]
 
@@ -110,7 +111,7 @@ class Engine:
         for note in settings.notes:
             sys.stderr.write(f"[ringtrain.engine] WARNING {note}\n")
         self.names = Names()
-        self.reports = {}           # rank -> [(process set, key)] it has waited on longest (conflicts)
+        self.reports = {}           # rank -> [(process set, key, submitted)] it has waited on longest (conflicts)
         self.timeline = None        # a ringtrain Timeline while start_timeline is on
         self.timeline_path = None
         self.broken = None          # why ops fail now, once this engine is shutting down
@@ -124,6 +125,7 @@ class Engine:
         self.channels = {0: Channel(self, 0, range(self.size), *sets.engine_comms(0))}
         self._stop = threading.Event()
         self._reported = []
+        self._warned = {}           # set id -> when its leader last printed a stall warning
         self._watch = threading.Thread(target=self._watch_main, name="ringtrain-hvd-watch", daemon=True)
         self._watch.start()
 
@@ -307,6 +309,8 @@ class Engine:
                 kind, rank, *body = message.recv()
                 if kind == "r":
                     self.reports[rank] = body[0]
+                elif kind == "w":
+                    self._withdraw(*body)
                 else:
                     self._peer_gone = self._peer_gone or time.monotonic()
                     if self.broken is None or (body[1] and not self.failed):
@@ -333,8 +337,8 @@ class Engine:
 
     def _report(self, now):
         """Tell every rank which ops this one has waited on for long (so leaders can name a conflict)."""
-        waiting = sorted((c.set_id, e.key) for c in list(self.channels.values()) for e, _ in c.entries()
-                         if now - e.submitted >= PROBE_S)
+        waiting = sorted((c.set_id, e.key, e.submitted) for c in list(self.channels.values())
+                         for e, _ in c.entries() if now - e.submitted >= PROBE_S)
         if waiting == self._reported:
             return
         self._reported = self.reports[self.rank] = waiting
@@ -342,6 +346,42 @@ class Engine:
             for r in range(self.size):
                 if r != self.rank:
                     self._sends.append(self._notices.isend(("r", self.rank, waiting), dest=r, tag=NOTICE_TAG))
+
+    def withdraw(self, rank, set_id, key, submitted, why, partner):
+        """Have ``rank`` withdraw its op ``key`` on ``set_id``, the one it submitted at ``submitted``: a set's
+        leader found it conflicts with op ``partner`` (``(set, key)``), which it fails
+        (:func:`~ringtrain.engine.negotiation.conflicts`)."""
+        if rank == self.rank:
+            return self._withdraw(set_id, key, submitted, why, partner)
+        with self._notice_lock:
+            self._sends.append(self._notices.isend(("w", self.rank, set_id, key, submitted, why, partner),
+                                                   dest=rank, tag=NOTICE_TAG))
+
+    def _withdraw(self, set_id, key, submitted, why, partner):
+        channel = self.channels.get(set_id)
+        if channel is not None:
+            channel.request("withdraw", key, submitted, why, partner)
+
+    def after_decided(self, set_id, key, callback):
+        """Call ``callback`` once op ``key`` of set ``set_id`` is decided on this rank; False if not a member."""
+        channel = self.channels.get(set_id)
+        return channel is not None and channel.request("after", key, callback)
+
+    def stall_check(self, set_id, ranks, waiting, now):
+        """A set's leader's look at its ``waiting`` ops: Horovod's stall warning, and its shutdown."""
+        check_s, shutdown_s = self.stall_times
+        if check_s is None or now - self._warned.get(set_id, 0.0) < check_s:
+            return
+        message, shut_down = stall_report(set_id, ranks, waiting, check_s, shutdown_s)
+        if message is None:
+            return
+        self._warned[set_id] = now
+        sys.stderr.write(f"[ringtrain.engine] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
+        sys.stderr.flush()
+        if shut_down:
+            late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
+            self.stall_shutdown(f"process set {set_id} stalled: rank(s) {late} kept an op waiting "
+                                f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
 
     def _check_bound(self, now):
         bound = get_timeout(self.user_comm)

@@ -1,4 +1,4 @@
-"""Handles: what an async op returns, for ``poll`` and ``synchronize``.
+"""Handles: a submitted op (:class:`Entry`), its completion (:class:`Pending`), what ``poll`` and ``synchronize`` take.
 
 A handle is an int, as in Horovod, naming a :class:`Pending` op in this
 process's table until :func:`synchronize` takes it out. ``synchronize``
@@ -9,14 +9,40 @@ moves the bytes), so a blocking op costs no hand-off to a background thread.
 
 import itertools
 import threading
+import time
 
 from .errors import HorovodInternalError
 
-__all__ = ["Pending", "register", "poll", "synchronize", "outcome", "outstanding"]
+__all__ = ["Entry", "Pending", "register", "poll", "synchronize", "outcome", "outstanding"]
 
 _table = {}
 _counter = itertools.count(1)
 _lock = threading.Lock()
+
+
+class Entry:
+    """One submitted op: its key, what is announced (its ``record``, ``info``) and what the kernel needs.
+
+    ``where`` is what errors name it by (a string, or ``(name, process set)``
+    made into one only when needed); ``local`` marks an op small enough for
+    its data to go with its announcement.
+    """
+
+    __slots__ = ("key", "where", "kind", "record", "info", "args", "pending", "submitted", "local")
+
+    def __init__(self, key, where, kind, record, info, args, pending, local=False):
+        self.key, self.where, self.kind = key, where, kind
+        self.record, self.info, self.args, self.pending = record, info, args, pending
+        self.submitted = time.monotonic()
+        self.local = local
+
+    @property
+    def label(self):
+        """How errors name the op: ``allreduce 'loss'``, ``... on process set 2``."""
+        if isinstance(self.where, str):
+            return self.where
+        name, set_id = self.where
+        return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
 
 
 class Pending:

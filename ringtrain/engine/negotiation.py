@@ -32,7 +32,7 @@ import typing
 
 __all__ = ["Allreduce", "Reducescatter", "Allgather", "Alltoall", "Broadcast", "Barrier", "Join", "Joined",
            "Refused", "Grouped", "Call", "Announcement", "Verdict", "Board", "Names", "thread_label", "verdict",
-           "first_difference", "same_value", "op_key", "user_name", "op_label", "join_blocks", "conflicts",
+           "first_difference", "same_value", "op_key", "user_name", "op_label", "join_blocks", "Conflicts", "conflicts",
            "stall_report", "JOIN", "JOINED", "FAIL", "LOCAL", "ORDERED"]
 
 FAIL, LOCAL, ORDERED = "fail", "local", "ordered"
@@ -403,13 +403,21 @@ class Board:
         entry = self._entries.get(key)
         return entry is not None and len(entry.by_rank) == len(self.members)
 
-    def take(self, key, now):
-        """Remove ``key``'s announcements (its op is done); True if the next ones of that name are now complete."""
+    def take(self, key, now, ranks=None):
+        """Remove ``key``'s announcements (its op is done); True if the next ones of that name are now complete.
+
+        ``ranks``: the ranks whose announcements the op had where it was
+        decided (a leader failed it unmatched); a later announcement of
+        another rank, heard here first, is kept for the next op of that name.
+        """
         entry = self._entries.pop(key, None)
-        if entry is None or not entry.later:
+        if entry is None:
+            return False
+        kept = [] if ranks is None else [(r, a) for r, a in entry.by_rank.items() if r not in ranks]
+        if not kept and not entry.later:
             return False
         successor = self._entries[key] = _Entry(now)
-        for rank, announcement in entry.later:
+        for rank, announcement in kept + entry.later:
             if rank in successor.by_rank:
                 successor.later.append((rank, announcement))
             else:
@@ -445,34 +453,57 @@ def join_blocks(key, joined, announced):
     return sorted(joined)
 
 
-def conflicts(process_set, waiting, reports, probe_s):
-    """``[(key, error)]`` for ops a missing rank submitted differently: another kind, or another process set (pure).
+class Conflicts(typing.NamedTuple):
+    """What :func:`conflicts` found: ops this set's leader fails, and ops of other sets their ranks must withdraw."""
+
+    failed: list      # [(key, error, partner)]: this set's ops, failed on every member; partner: the
+    #                   ``(set, key)`` it conflicts with when that is on another set, else None
+    elsewhere: list   # [(rank, set, key, submitted, error, partner)]: ``rank``'s op ``key`` on another set, the
+    #                   one it submitted at ``submitted`` (its clock), for that rank to withdraw
+
+
+def conflicts(process_set, members, waiting, reports, probe_s):
+    """What to fail for ops a missing rank submitted differently: another kind, or another process set (pure).
+
+    Both ops of a conflict fail, so that neither, left waiting, pairs with
+    the next op of its kind and name, one step off, silently. A partner on
+    this set fails here; a partner on another set (whose leader may not see
+    the conflict: its own missing ranks' ops may have failed by then) is
+    returned in ``elsewhere``, for the ranks that submitted it to withdraw.
 
     Args:
-        process_set: the id of the set ``waiting`` belongs to.
+        process_set, members: the id and ranks of the set ``waiting`` belongs to.
         waiting: :meth:`Board.waiting`'s list.
-        reports: rank -> ``[(process set, key)]`` of the ops that rank has waited on longest.
+        reports: rank -> ``[(process set, key, submitted)]`` of the ops that rank has waited on longest.
         probe_s: how long an op waits before it is compared (ops in flight in
             different orders are not conflicts; only ops that stay unmatched are).
     """
-    found, waiting_here = {}, {key: missing for key, _, missing in waiting}
+    found, elsewhere, waiting_here = {}, [], {key: missing for key, _, missing in waiting}
     for key, age, missing in waiting:
         if age < probe_s or user_name(key).startswith("noname.") or key in found:  # unnamed: two sets, two ops
             continue
+        theirs = {}  # missing rank -> the first op of this name it reports otherwise
         for rank in missing:
-            other = next(((ps, k) for ps, k in reports.get(rank, ()) if user_name(k) == user_name(key)
-                          and (ps, k) != (process_set, key)), None)
+            other = next((o for o in reports.get(rank, ()) if user_name(o[1]) == user_name(key)
+                          and o[:2] != (process_set, key)), None)
             if other is not None:
-                found[key] = _conflict(key, other[1], [rank], other[0], process_set)
-                partner = other[1] if other[0] == process_set else None
-                # The ranks missing from the partner that submitted this op instead: if any, its ranks fail it
-                # now too, whatever its age and the reports so far: left waiting, it would pair with the next
-                # op of that kind and name, one step off, silently.
-                by = [r for r in waiting_here.get(partner, ()) if r not in missing]
-                if by and partner not in found:
-                    found[partner] = _conflict(partner, key, by, process_set, process_set)
-                break
-    return list(found.items())
+                theirs[rank] = other
+        if not theirs:
+            continue
+        rank, (their_set, partner, _) = next(iter(theirs.items()))
+        if their_set != process_set:
+            found[key] = (_conflict(key, partner, [rank], their_set, process_set), (their_set, partner))
+            why = _conflict(partner, key, [r for r in members if r not in missing], process_set, their_set)
+            elsewhere += [(r, their_set, partner, theirs[r][2], why, (process_set, key))
+                          for r in sorted(theirs) if theirs[r][:2] == (their_set, partner)]
+            continue
+        found[key] = (_conflict(key, partner, [rank], their_set, process_set), None)
+        # The ranks missing from the partner that submitted this op instead: if any, its ranks fail it now
+        # too, whatever its age and the reports so far.
+        by = [r for r in waiting_here.get(partner, ()) if r not in missing]
+        if by and partner not in found:
+            found[partner] = (_conflict(partner, key, by, process_set, process_set), None)
+    return Conflicts([(key, *found[key]) for key in found], elsewhere)
 
 
 def _conflict(key, theirs, ranks, their_set, process_set):

@@ -22,7 +22,7 @@ from threading import current_thread
 import numpy as np
 
 from . import arrays, handles, runtime
-from .protocol import Entry
+from .handles import Entry
 from .handles import poll, synchronize
 from .negotiation import (JOIN, Allgather, Allreduce, Alltoall, Barrier, Broadcast, Grouped, Join, Reducescatter,
                           op_key, thread_label)

@@ -14,9 +14,14 @@ with any tag, so MPI keeps each sender's messages in order)::
     every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]))
                                    or one small allreduce's, raw (ALONE_TAG: rank, record id, key, data)
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
-                                                                                 (FAIL: (mismatch, why))
+                                                                                 (FAIL: (mismatch, why), or for an
+                                                                                 unmatched op: (mismatch, why,
+                                                                                 partner, ranks announced))
     leader -> every member         ("c", reason)                                closed: fail the rest
     member -> leader               ("k", rank)                                  closed here too (removal)
+    member -> leader               ("w", (rank, key, why))                      withdraw its undecided op: it
+                                                                                 conflicts with one another
+                                                                                 set's leader failed
 
 Every member hears every announcement, so once a member has heard an op
 from every member it knows, as every other member does, whether the op
@@ -33,17 +38,16 @@ bytes per member (Horovod's response cache does the same with a bit).
 import collections
 import os
 import struct
-import sys
 import time
 import typing
 
 from . import kernels
 from .errors import CollectiveMismatchError, HorovodInternalError
-from .handles import Pending
+from .handles import Entry, Pending
 from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, op_label,
-                          stall_report, user_name, verdict)
+                          user_name, verdict)
 
-__all__ = ["Entry", "Decision", "Protocol", "TICK_S", "PROBE_S"]
+__all__ = ["Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
 ALONE_TAG = 8       # an announcement sent alone (Protocol.run_alone), raw: _ALONE's fields, the key, the data
@@ -55,31 +59,6 @@ _NONE = (None, None)
 _NO_RECORDS = {}    # (read only: a member no record was heard from yet)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
-
-
-class Entry:
-    """One submitted op: its key, what is announced (its ``record``, ``info``) and what the kernel needs.
-
-    ``where`` is what errors name it by (a string, or ``(name, process set)``
-    made into one only when needed); ``local`` marks an op small enough for
-    its data to go with its announcement.
-    """
-
-    __slots__ = ("key", "where", "kind", "record", "info", "args", "pending", "submitted", "local")
-
-    def __init__(self, key, where, kind, record, info, args, pending, local=False):
-        self.key, self.where, self.kind = key, where, kind
-        self.record, self.info, self.args, self.pending = record, info, args, pending
-        self.submitted = time.monotonic()
-        self.local = local
-
-    @property
-    def label(self):
-        """How errors name the op: ``allreduce 'loss'``, ``... on process set 2``."""
-        if isinstance(self.where, str):
-            return self.where
-        name, set_id = self.where
-        return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
 
 
 class Decision(typing.NamedTuple):
@@ -132,12 +111,12 @@ class Protocol:
         self._told = False                     # the closing word is sent (leader) or answered (member)
         self._acks = set()
         self._inspected = 0.0
-        self._last_warning = 0.0
+        self._awaited = {}                     # key -> [(deadline, callback)]: run once its op is decided here
         self._fusion_bytes = engine.settings.fusion_bytes
 
     def busy(self):
         """Whether ops are announced here and not yet run (read from any thread: a hint, not a promise)."""
-        return bool(self._mine or self._ordered)
+        return bool(self._mine or self._ordered or self._awaited)
 
     def in_flight(self, now):
         """``[(entry, missing ranks)]`` of this rank's announced ops (for the engine's watch: reads copies)."""
@@ -154,6 +133,10 @@ class Protocol:
         closing = self.channel.closing_reason()
         if self._others:
             moved |= self._receive(now, done)
+        if self.channel.requests:
+            self._requests(self.channel.take_requests(), now)
+        if self._awaited:
+            self._check_awaited(now)
         if self._answers:
             self._send_all(("a", (self.rank, self._answers)))
             self._answers = []
@@ -281,6 +264,8 @@ class Protocol:
         elif kind == "d":
             self._batch += 1
             self._ordered.extend((self._batch, *order) for order in body)
+        elif kind == "w":
+            self._withdrawn(*body)
         elif kind == "k":  # a member's answer to the leader's word that the set is closed
             self._acks.add(body)
         else:  # the leader has closed the set: so must this member
@@ -502,8 +487,56 @@ class Protocol:
         elif self.is_leader:
             self._to_order.append((key, RUN, None))  # sent with the others heard in this step: they may fuse
 
-    def _done(self, key, now):
-        if self._board.take(key, now):
+    # Conflicts across process sets (negotiation.conflicts): both ops fail, and neither rank goes on early.
+
+    def _withdraw(self, key, submitted, why, partner):
+        """Ask the leader to fail this rank's op ``key`` another set's leader found in conflict, if undecided.
+
+        Sent on the control communicator after the op's announcement and
+        before any later op of its name, so the leader cannot take it for another.
+        """
+        entry = self._mine.get(key)
+        if entry is None or entry.submitted != submitted:
+            return  # decided since, or a later op of that name
+        if self.is_leader:
+            self._withdrawn(self.rank, key, why, partner)
+        else:
+            self._send(self.leader, ("w", (self.rank, key, why, partner)))
+
+    def _withdrawn(self, rank, key, why, partner):
+        """The leader's side: ``rank`` withdrew its op ``key``; fail it on every member unless it is decided."""
+        failing = any(k == key and action == FAIL for _, k, action, _ in self._ordered)  # (found here too)
+        if self._board.has(key, rank) and not self._board.complete(key) and not failing:
+            self._order([(key, FAIL, (True, why, partner, tuple(self._board.partial(key))))])
+
+    def _fail(self, entry, mismatch, text, partner=None):
+        """Fail ``entry`` as the leader ordered; one that conflicts with ``partner``, ``(set, key)`` on another
+        set, only once this rank has seen that op decided there too: a rank that went on before could announce
+        its next op of that name on that set where the partner, failed by its leader, is still pending."""
+        error = (CollectiveMismatchError if mismatch else HorovodInternalError)(text)
+        if partner is None or not self.engine.after_decided(*partner, lambda: self._complete(entry, error=error)):
+            self._complete(entry, error=error)
+
+    def _requests(self, requests, now):
+        """Other threads' requests: withdraw an op, or run a callback once an op is decided here."""
+        for what, *args in requests:
+            if what == "withdraw":
+                self._withdraw(*args)
+            elif args[0] in self._board:  # (the op is decided once it leaves the board; or in 5 probes at most)
+                self._awaited.setdefault(args[0], []).append((now + 5 * PROBE_S, args[1]))
+            else:
+                args[1]()
+
+    def _check_awaited(self, now):
+        for key in [key for key, waiting in self._awaited.items() if waiting[0][0] <= now]:
+            for _, callback in self._awaited.pop(key):
+                callback()
+
+    def _done(self, key, now, ranks=None):
+        """Op ``key`` is decided: the announcements of ``ranks`` (default all) leave the board."""
+        for _, callback in self._awaited.pop(key, ()) if self._awaited else ():
+            callback()
+        if self._board.take(key, now, ranks):
             self._heard_all(key, now)
 
     def _run_local(self, key, v, announced, now):
@@ -545,9 +578,8 @@ class Protocol:
                 self._ordered.popleft()
                 entry = self._mine.pop(key, None)
                 if entry is not None:
-                    mismatch, text = payload
-                    self._complete(entry, error=(CollectiveMismatchError if mismatch else HorovodInternalError)(text))
-                self._done(key, now)
+                    self._fail(entry, *payload[:3])
+                self._done(key, now, *payload[3:])
                 moved = True
                 continue
             if not self._board.complete(key):
@@ -689,6 +721,8 @@ class Protocol:
         self._mine = {}
         for e in left:
             self._complete(e, error=HorovodInternalError(f"{e.label}: {closed}"))
+        self._requests(self.channel.take_requests(), now)  # (none come once the set has closed)
+        self._check_awaited(float("inf"))  # nothing will be decided here now
         return True
 
     def _inspect(self, now):
@@ -696,22 +730,13 @@ class Protocol:
         waiting = self._board.waiting(now)
         if not waiting:
             return
-        failed = conflicts(self.set_id, waiting, self.engine.reports, PROBE_S)
+        failed, elsewhere = conflicts(self.set_id, self.ranks, waiting, self.engine.reports, PROBE_S)
         if failed:
-            self._order([(key, FAIL, (True, error)) for key, error in failed])
-        check_s, shutdown_s = self.engine.stall_times
-        if check_s is None or now - self._last_warning < check_s:
-            return
-        message, shut_down = stall_report(self.set_id, self.ranks, waiting, check_s, shutdown_s)
-        if message is None:
-            return
-        self._last_warning = now
-        sys.stderr.write(f"[ringtrain.engine] {'ERROR' if shut_down else 'WARNING'} rank {self.rank}: {message}\n")
-        sys.stderr.flush()
-        if shut_down:
-            late = sorted({r for _, age, missing in waiting if age > shutdown_s for r in missing})
-            self.engine.stall_shutdown(f"process set {self.set_id} stalled: rank(s) {late} kept an op waiting "
-                                       f"more than {shutdown_s:g}s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
+            self._order([(key, FAIL, (True, error, partner, tuple(self._board.partial(key))))
+                         for key, error, partner in failed])
+        for rank, set_id, key, submitted, error, partner in elsewhere:
+            self.engine.withdraw(rank, set_id, key, submitted, error, partner)
+        self.engine.stall_check(self.set_id, self.ranks, waiting, now)
 
 
 def _aligned(offset):

@@ -158,6 +158,32 @@ def test_ranks_that_disagree_all_get_a_mismatch_error():
         engine.synchronize(engine.allreduce_async(a, name="bad"))
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("odd_set", ["subset", "global"])
+def test_one_name_on_two_process_sets_fails_both_ops_and_every_later_op_of_it_pairs_right(odd_set):
+    # The last rank submits allreduce 'x' on one set while the others submit it on the other. Each set's
+    # leader sees only its own op wait (at 3 and 4 ranks the two leaders differ): both ops must fail, on
+    # every rank, before anyone goes on, or an op left waiting pairs with the next 'x', one step off.
+    if SIZE == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    subset = engine.add_process_set(engine.ProcessSet(range(1, SIZE) if SIZE > 2 else range(SIZE)))
+    members, odd = list(subset.ranks), RANK == SIZE - 1
+    on_subset = RANK in members and odd == (odd_set == "subset")
+    errors, sums = [], []
+    try:
+        engine.allreduce(np.ones(3, np.float32), name="x",
+                         process_set=subset if on_subset else engine.global_process_set)
+    except engine.CollectiveMismatchError as exc:
+        errors.append(str(exc))
+    sums.append(engine.allreduce(np.ones(1, np.float32), name="x", op=engine.Sum)[0])  # the same name: level?
+    if RANK in members:
+        sums.append(engine.allreduce(np.ones(1, np.float32), name="x", op=engine.Sum, process_set=subset)[0])
+    engine.barrier()
+    engine.remove_process_set(subset)
+    assert len(errors) == 1 and "every rank must submit the same op under one name" in errors[0], errors
+    assert sums == [SIZE] + ([len(members)] if RANK in members else []), sums
+
+
 def _through_a_handle(a, **kwargs):
     return engine.synchronize(engine.allreduce_async(a, **kwargs))
 

@@ -95,6 +95,18 @@ def test_the_board_completes_an_op_when_every_member_has_announced_it_and_queues
     assert board.announcements("allreduce.x") == {1: ("second", None, None)}
 
 
+def test_an_op_failed_unmatched_takes_only_the_announcements_its_leader_had_the_rest_wait_for_the_next():
+    # The leader failed allreduce 'x' with rank 0 announced (ranks 1 and 2 had submitted it on another set).
+    # Here rank 2's next 'x' came before the leader's order, and landed in the failed op: it is kept.
+    board = Board(MEMBERS)
+    board.add(0, "allreduce.x", ("old", None, None), now=0.0)
+    board.add(2, "allreduce.x", ("next", None, None), now=1.0)
+    board.add(0, "allreduce.x", ("next", None, None), now=1.0)
+    assert not board.take("allreduce.x", now=2.0, ranks=(0,))
+    assert board.partial("allreduce.x") == {2: ("next", None, None), 0: ("next", None, None)}
+    assert board.add(1, "allreduce.x", ("next", None, None), now=3.0)
+
+
 def test_unnamed_ops_are_counted_per_process_set_and_kind():
     names = Names()
     assert [names.next(0, "allreduce"), names.next(0, "allreduce"), names.next(1, "allreduce"),
@@ -120,33 +132,49 @@ def test_each_threads_unnamed_ops_are_named_apart_so_two_threads_never_pair():
 
 def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_conflict_once_it_lingers():
     waiting = [("allreduce.x", 2.0, [1]), ("allreduce.y", 2.0, [1]), ("allreduce.z", 0.1, [1])]
-    reports = {1: [(0, "allgather.x"), (3, "allreduce.y"), (0, "allgather.z")]}
-    found = dict(conflicts(0, waiting, reports, probe_s=1.0))
+    reports = {1: [(0, "allgather.x", 5.0), (3, "allreduce.y", 6.0), (0, "allgather.z", 7.0)]}
+    found = {key: (error, partner) for key, error, partner in conflicts(0, [0, 1], waiting, reports, 1.0).failed}
     assert set(found) == {"allreduce.x", "allreduce.y"}  # z has not waited long enough to tell
-    assert "rank 1 submitted it as allgather on process set 0" in found["allreduce.x"]
-    assert "rank 1 submitted it as allreduce on process set 3, not allreduce on process set 0" in found["allreduce.y"]
+    assert "rank 1 submitted it as allgather on process set 0" in found["allreduce.x"][0]
+    why = found["allreduce.y"][0]
+    assert "rank 1 submitted it as allreduce on process set 3, not allreduce on process set 0" in why
+    assert found["allreduce.x"][1] is None and found["allreduce.y"][1] == (3, "allreduce.y")
 
 
 def test_both_ops_of_a_conflict_on_one_set_fail_together_whatever_the_reports_say_so_far():
     # Rank 1 submitted allgather 'x' where rank 0 submitted allreduce 'x'; only rank 1's report has arrived.
     # Failing one alone would let its rank go on, and its next allreduce 'x' pair with the one left waiting.
     waiting = [("allreduce.x", 2.0, [1]), ("allgather.x", 0.2, [0])]
-    found = dict(conflicts(0, waiting, {1: [(0, "allgather.x")]}, probe_s=1.0))
-    assert set(found) == {"allreduce.x", "allgather.x"}
-    assert found["allgather.x"].startswith("allgather 'x': rank 0 submitted it as allreduce on process set 0")
+    found = conflicts(0, [0, 1], waiting, {1: [(0, "allgather.x", 5.0)]}, probe_s=1.0)
+    failed = {key: error for key, error, _ in found.failed}
+    assert set(failed) == {"allreduce.x", "allgather.x"} and found.elsewhere == []
+    assert failed["allgather.x"].startswith("allgather 'x': rank 0 submitted it as allreduce on process set 0")
+
+
+def test_a_partner_on_another_set_is_withdrawn_by_each_rank_that_submitted_that_very_op():
+    # Set 0 is ranks 0-3. Ranks 2 and 3 submitted allreduce 'x' on set 4 instead (the ones they submitted at
+    # 5.0 and 6.0 on their clocks); rank 2 also reports an allgather 'x' on set 0, which is not this partner.
+    waiting = [("allreduce.x", 2.0, [2, 3])]
+    reports = {2: [(4, "allreduce.x", 5.0), (0, "allgather.x", 9.0)], 3: [(4, "allreduce.x", 6.0)]}
+    found = conflicts(0, [0, 1, 2, 3], waiting, reports, probe_s=1.0)
+    assert [(key, partner) for key, _, partner in found.failed] == [("allreduce.x", (4, "allreduce.x"))]
+    why = ("allreduce 'x': ranks [0, 1] submitted it as allreduce on process set 0, not allreduce on process "
+           "set 4; every rank must submit the same op under one name")
+    assert found.elsewhere == [(2, 4, "allreduce.x", 5.0, why, (0, "allreduce.x")),
+                               (3, 4, "allreduce.x", 6.0, why, (0, "allreduce.x"))]
 
 
 def test_an_op_only_a_late_rank_is_missing_from_is_not_failed_with_its_partner():
     # Ranks 0 and 1 submitted both kinds of 'x', rank 2 only the allgather, rank 3 nothing yet: the
     # allreduce conflicts with rank 2's allgather, but the allgather waits only for rank 3, rightly.
     waiting = [("allreduce.x", 2.0, [2, 3]), ("allgather.x", 2.0, [3])]
-    found = dict(conflicts(0, waiting, {2: [(0, "allgather.x")]}, probe_s=1.0))
-    assert set(found) == {"allreduce.x"}
+    found = conflicts(0, [0, 1, 2, 3], waiting, {2: [(0, "allgather.x", 5.0)]}, probe_s=1.0)
+    assert [key for key, _, _ in found.failed] == ["allreduce.x"] and found.elsewhere == []
 
 
 def test_unnamed_ops_of_two_sets_or_kinds_are_two_ops_not_a_conflict():
     waiting = [("barrier.noname.0", 5.0, [0, 2])]
-    assert conflicts(0, waiting, {2: [(1, "barrier.noname.0")]}, probe_s=1.0) == []
+    assert conflicts(0, [0, 1, 2], waiting, {2: [(1, "barrier.noname.0", 1.0)]}, probe_s=1.0) == ([], [])
 
 
 def test_only_allreduces_wait_for_a_rank_that_has_joined():
