@@ -25,8 +25,10 @@ def job(np, case, timeout=90, **env):
 
 
 def failures(result, op):
-    """``{rank: message}`` of the ranks that printed ``<op> failed: <message>``."""
-    return {int(r): m for r, m in re.findall(rf"rank (\d+): {op} failed: (.*)", result.stdout)}
+    """``{rank: message}`` of the ranks that printed ``<op> failed: <message>`` (mpiexec may join two ranks'
+    lines: a message ends where the next rank's begins)."""
+    return {int(r): m for r, m in re.findall(rf"rank (\d+): {op} failed: (.*?)(?=rank \d+: |$)", result.stdout,
+                                             re.M)}
 
 
 @pytest.mark.parametrize("np", [2, 3])
