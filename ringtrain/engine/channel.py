@@ -121,7 +121,7 @@ class Channel:
         ``("withdraw", key, submitted, why, partner)``: have the leader fail
         this rank's op ``key`` if it is the one submitted at ``submitted`` and
         still undecided (another set's leader found it in conflict).
-        ``("after", key, callback)``: call ``callback`` once op ``key`` is decided here.
+        ``("after", name, callback)``: call ``callback`` once every op of that name now on the board is decided.
         """
         with self._lock:
             if self.closed is not None:

@@ -79,7 +79,7 @@ import time
 from ..comm.guard import HINT, get_timeout
 from ..failure import describe
 from .channel import Channel
-from .handles import Entry
+from .handles import Countdown, Entry
 from .protocol import PROBE_S, TICK_S
 from .errors import HorovodInternalError
 from .handles import Pending
@@ -362,10 +362,14 @@ class Engine:
         if channel is not None:
             channel.request("withdraw", key, submitted, why, partner)
 
-    def after_decided(self, set_id, key, callback):
-        """Call ``callback`` once op ``key`` of set ``set_id`` is decided on this rank; False if not a member."""
-        channel = self.channels.get(set_id)
-        return channel is not None and channel.request("after", key, callback)
+    def after_decided(self, name, but, callback):
+        """Call ``callback`` once every op named ``name`` on this rank's sets other than ``but`` has been
+        decided there (failed or run): those on their boards now (any thread; see Protocol._fail)."""
+        channels = [c for set_id, c in list(self.channels.items()) if set_id != but]
+        countdown = Countdown(len(channels), callback)
+        for channel in channels:
+            if not channel.request("after", name, countdown.one):
+                countdown.one()
 
     def stall_check(self, set_id, ranks, waiting, now):
         """A set's leader's look at its ``waiting`` ops: Horovod's stall warning, and its shutdown."""

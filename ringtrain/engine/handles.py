@@ -13,7 +13,7 @@ import time
 
 from .errors import HorovodInternalError
 
-__all__ = ["Entry", "Pending", "register", "poll", "synchronize", "outcome", "outstanding"]
+__all__ = ["Entry", "Pending", "Countdown", "register", "poll", "synchronize", "outcome", "outstanding"]
 
 _table = {}
 _counter = itertools.count(1)
@@ -43,6 +43,22 @@ class Entry:
             return self.where
         name, set_id = self.where
         return f"{self.kind} {name!r}" + (f" on process set {set_id}" if set_id else "")
+
+
+class Countdown:
+    """Calls ``callback`` when :meth:`one` has been called ``n`` times, from any threads (at once if ``n`` is 0)."""
+
+    def __init__(self, n, callback):
+        self._left, self._callback, self._lock = n, callback, threading.Lock()
+        if n == 0:
+            callback()
+
+    def one(self):
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._callback()
 
 
 class Pending:

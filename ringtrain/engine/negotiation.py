@@ -459,7 +459,9 @@ class Conflicts(typing.NamedTuple):
     failed: list      # [(key, error, partner)]: this set's ops, failed on every member; partner: the
     #                   ``(set, key)`` it conflicts with when that is on another set, else None
     elsewhere: list   # [(rank, set, key, submitted, error, partner)]: ``rank``'s op ``key`` on another set, the
-    #                   one it submitted at ``submitted`` (its clock), for that rank to withdraw
+    #                   one it submitted at ``submitted`` (its clock), for that rank to withdraw; partner:
+    #                   ``(this set, key, the ranks that submitted it)``: only an op that waits for one of
+    #                   them is withdrawn (an op merely waiting for a late rank is not in conflict)
 
 
 def conflicts(process_set, members, waiting, reports, probe_s):
@@ -493,8 +495,9 @@ def conflicts(process_set, members, waiting, reports, probe_s):
         rank, (their_set, partner, _) = next(iter(theirs.items()))
         if their_set != process_set:
             found[key] = (_conflict(key, partner, [rank], their_set, process_set), (their_set, partner))
-            why = _conflict(partner, key, [r for r in members if r not in missing], process_set, their_set)
-            elsewhere += [(r, their_set, partner, theirs[r][2], why, (process_set, key))
+            here = tuple(r for r in members if r not in missing)
+            why = _conflict(partner, key, list(here), process_set, their_set)
+            elsewhere += [(r, their_set, partner, theirs[r][2], why, (process_set, key, here))
                           for r in sorted(theirs) if theirs[r][:2] == (their_set, partner)]
             continue
         found[key] = (_conflict(key, partner, [rank], their_set, process_set), None)

@@ -43,7 +43,7 @@ import typing
 
 from . import kernels
 from .errors import CollectiveMismatchError, HorovodInternalError
-from .handles import Entry, Pending
+from .handles import Countdown, Entry, Pending
 from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, op_label,
                           user_name, verdict)
 
@@ -504,28 +504,32 @@ class Protocol:
             self._send(self.leader, ("w", (self.rank, key, why, partner)))
 
     def _withdrawn(self, rank, key, why, partner):
-        """The leader's side: ``rank`` withdrew its op ``key``; fail it on every member unless it is decided."""
+        """The leader's side: ``rank`` withdrew its op ``key``; fail it on every member if it is undecided and
+        waits for a rank that submitted the partner (``(set, key, its ranks)``) instead."""
         failing = any(k == key and action == FAIL for _, k, action, _ in self._ordered)  # (found here too)
-        if self._board.has(key, rank) and not self._board.complete(key) and not failing:
+        waits_for_them = any(not self._board.has(key, r) for r in partner[2] if r in self._index)
+        if self._board.has(key, rank) and not self._board.complete(key) and not failing and waits_for_them:
             self._order([(key, FAIL, (True, why, partner, tuple(self._board.partial(key))))])
 
     def _fail(self, entry, mismatch, text, partner=None):
-        """Fail ``entry`` as the leader ordered; one that conflicts with ``partner``, ``(set, key)`` on another
-        set, only once this rank has seen that op decided there too: a rank that went on before could announce
-        its next op of that name on that set where the partner, failed by its leader, is still pending."""
+        """Fail ``entry`` as the leader ordered; one that conflicts with an op on another set (``partner``) only
+        once this rank has seen every op of its name on its other sets decided: a rank that went on before
+        could announce its next op of that name on a set where one, failed by its leader, is still pending."""
         error = (CollectiveMismatchError if mismatch else HorovodInternalError)(text)
-        if partner is None or not self.engine.after_decided(*partner, lambda: self._complete(entry, error=error)):
-            self._complete(entry, error=error)
+        if partner is None:
+            return self._complete(entry, error=error)
+        self.engine.after_decided(user_name(entry.key), self.set_id, lambda: self._complete(entry, error=error))
 
     def _requests(self, requests, now):
         """Other threads' requests: withdraw an op, or run a callback once an op is decided here."""
         for what, *args in requests:
             if what == "withdraw":
                 self._withdraw(*args)
-            elif args[0] in self._board:  # (the op is decided once it leaves the board; or in 5 probes at most)
-                self._awaited.setdefault(args[0], []).append((now + 5 * PROBE_S, args[1]))
-            else:
-                args[1]()
+            else:  # ("after", name, callback): each op of that name is decided once it leaves the board (or in
+                keys = [k for k in self._board.keys() if user_name(k) == args[0]]  # 5 probes at most)
+                countdown = Countdown(len(keys), args[1])
+                for key in keys:
+                    self._awaited.setdefault(key, []).append((now + 5 * PROBE_S, countdown.one))
 
     def _check_awaited(self, now):
         for key in [key for key, waiting in self._awaited.items() if waiting[0][0] <= now]:

@@ -160,8 +160,8 @@ def test_a_partner_on_another_set_is_withdrawn_by_each_rank_that_submitted_that_
     assert [(key, partner) for key, _, partner in found.failed] == [("allreduce.x", (4, "allreduce.x"))]
     why = ("allreduce 'x': ranks [0, 1] submitted it as allreduce on process set 0, not allreduce on process "
            "set 4; every rank must submit the same op under one name")
-    assert found.elsewhere == [(2, 4, "allreduce.x", 5.0, why, (0, "allreduce.x")),
-                               (3, 4, "allreduce.x", 6.0, why, (0, "allreduce.x"))]
+    assert found.elsewhere == [(2, 4, "allreduce.x", 5.0, why, (0, "allreduce.x", (0, 1))),
+                               (3, 4, "allreduce.x", 6.0, why, (0, "allreduce.x", (0, 1)))]
 
 
 def test_an_op_only_a_late_rank_is_missing_from_is_not_failed_with_its_partner():
