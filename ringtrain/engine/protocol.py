@@ -19,9 +19,8 @@ with any tag, so MPI keeps each sender's messages in order)::
                                                                                  partner, ranks announced))
     leader -> every member         ("c", reason)                                closed: fail the rest
     member -> leader               ("k", rank)                                  closed here too (removal)
-    member -> leader               ("w", (rank, key, why))                      withdraw its undecided op: it
-                                                                                 conflicts with one another
-                                                                                 set's leader failed
+    member -> leader               ("w", (rank, key, why, partner))             withdraw its undecided op (it
+                                                                                 conflicts with another set's)
 
 Every member hears every announcement, so once a member has heard an op
 from every member it knows, as every other member does, whether the op
@@ -696,10 +695,9 @@ class Protocol:
     def _finish_closing(self, reason, now):
         """Close: the leader fails what has not run everywhere; a member waits for the leader's word.
 
-        With ``handshake`` (the set is being removed, and its communicators
-        freed) every member also waits for the leader's word and answers it,
-        and the leader waits for every answer: nothing is left on its way on
-        a communicator whose id MPI may give to the next one.
+        With ``handshake`` (the set is being removed, its communicators freed) every member also waits for
+        the leader's word and answers it, and the leader waits for every answer: nothing is left on its way
+        on a communicator whose id MPI may give to the next one.
         """
         if self.is_leader:
             if not self._told:
