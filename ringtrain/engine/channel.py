@@ -121,7 +121,8 @@ class Channel:
         ``("withdraw", key, submitted, why, partner)``: have the leader fail
         this rank's op ``key`` if it is the one submitted at ``submitted`` and
         still undecided (another set's leader found it in conflict).
-        ``("after", name, callback)``: call ``callback`` once every op of that name now on the board is decided.
+        ``("after", name, passed, callback)``: call ``callback`` once every op of that name now on the board,
+        announced by a rank that had passed at most ``passed`` conflicts of that name, is decided.
         """
         with self._lock:
             if self.closed is not None:

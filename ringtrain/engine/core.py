@@ -112,6 +112,7 @@ class Engine:
             sys.stderr.write(f"[ringtrain.engine] WARNING {note}\n")
         self.names = Names()
         self.reports = {}           # rank -> [(process set, key, submitted)] it has waited on longest (conflicts)
+        self.conflicts_passed = {}  # name -> how many conflicts of it across sets this rank's callers were told of
         self.timeline = None        # a ringtrain Timeline while start_timeline is on
         self.timeline_path = None
         self.broken = None          # why ops fail now, once this engine is shutting down
@@ -292,11 +293,9 @@ class Engine:
             channel.close(reason)
 
     def _tell_everyone(self, reason, failure):
-        with self._notice_lock:
-            for r in range(self.size):
-                if r != self.rank:
-                    self._sends.append(self._notices.isend(("p", self.rank, reason, failure), dest=r,
-                                                           tag=NOTICE_TAG))
+        for r in range(self.size):
+            if r != self.rank:
+                self._notice(r, ("p", self.rank, reason, failure))
 
     def _read_notices(self):
         from mpi4py import MPI
@@ -310,7 +309,9 @@ class Engine:
                 if kind == "r":
                     self.reports[rank] = body[0]
                 elif kind == "w":
-                    self._withdraw(*body)
+                    self._withdraw(*body[:5], (rank, body[5]))
+                elif kind == "y":
+                    self._confirmed(rank, *body)
                 else:
                     self._peer_gone = self._peer_gone or time.monotonic()
                     if self.broken is None or (body[1] and not self.failed):
@@ -342,34 +343,54 @@ class Engine:
         if waiting == self._reported:
             return
         self._reported = self.reports[self.rank] = waiting
-        with self._notice_lock:
-            for r in range(self.size):
-                if r != self.rank:
-                    self._sends.append(self._notices.isend(("r", self.rank, waiting), dest=r, tag=NOTICE_TAG))
+        for r in range(self.size):
+            if r != self.rank:
+                self._notice(r, ("r", self.rank, waiting))
 
-    def withdraw(self, rank, set_id, key, submitted, why, partner):
+    def withdraw(self, rank, set_id, key, submitted, why, partner, error):
         """Have ``rank`` withdraw its op ``key`` on ``set_id``, the one it submitted at ``submitted``: a set's
-        leader found it conflicts with op ``partner`` (``(set, key)``), which it fails
-        (:func:`~ringtrain.engine.negotiation.conflicts`)."""
+        leader (this rank) found it conflicts with its op ``partner`` (``(set, key, ranks)``), which it fails
+        with ``error`` (its error, and which op of that name: Protocol._confirmed) once ``rank`` confirms
+        that op is still undecided there
+        (:func:`~ringtrain.engine.negotiation.conflicts`; what a rank reported may be stale)."""
         if rank == self.rank:
-            return self._withdraw(set_id, key, submitted, why, partner)
-        with self._notice_lock:
-            self._sends.append(self._notices.isend(("w", self.rank, set_id, key, submitted, why, partner),
-                                                   dest=rank, tag=NOTICE_TAG))
+            return self._withdraw(set_id, key, submitted, why, partner, (rank, error))
+        self._notice(rank, ("w", self.rank, set_id, key, submitted, why, partner, error))
 
-    def _withdraw(self, set_id, key, submitted, why, partner):
+    def _withdraw(self, set_id, key, submitted, why, partner, confirm):
         channel = self.channels.get(set_id)
         if channel is not None:
-            channel.request("withdraw", key, submitted, why, partner)
+            channel.request("withdraw", key, submitted, why, partner, confirm)
 
-    def after_decided(self, name, but, callback):
+    def confirm(self, leader, partner, error, theirs):
+        """Tell ``leader`` this rank's op ``theirs`` (``(set, key)``) was undecided when asked to withdraw it:
+        the leader fails its op ``partner`` (``(set, key, ranks)``) with ``error`` (Protocol._withdraw)."""
+        if leader == self.rank:
+            return self._confirmed(self.rank, partner[:2], error, theirs)
+        self._notice(leader, ("y", self.rank, partner[:2], error, theirs))
+
+    def _confirmed(self, rank, partner, error, theirs):
+        channel = self.channels.get(partner[0])
+        if channel is not None:
+            channel.request("confirmed", partner[1], rank, error, theirs)
+
+    def _notice(self, rank, message):
+        with self._notice_lock:
+            self._sends.append(self._notices.isend(message, dest=rank, tag=NOTICE_TAG))
+
+    def after_decided(self, name, but, passed, callback):
         """Call ``callback`` once every op named ``name`` on this rank's sets other than ``but`` has been
-        decided there (failed or run): those on their boards now (any thread; see Protocol._fail)."""
+        decided there (failed or run): those on their boards now, announced by ranks that had passed at most
+        ``passed`` conflicts of that name (any thread; see Protocol._fail)."""
         channels = [c for set_id, c in list(self.channels.items()) if set_id != but]
         countdown = Countdown(len(channels), callback)
         for channel in channels:
-            if not channel.request("after", name, countdown.one):
+            if not channel.request("after", name, passed, countdown.one):
                 countdown.one()
+
+    def conflict_passed(self, name):
+        """This rank's caller is told of a conflict of ``name`` across process sets (Protocol._fail)."""
+        self.conflicts_passed[name] = self.conflicts_passed.get(name, 0) + 1
 
     def stall_check(self, set_id, ranks, waiting, now):
         """A set's leader's look at its ``waiting`` ops: Horovod's stall warning, and its shutdown."""

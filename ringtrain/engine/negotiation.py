@@ -155,11 +155,13 @@ _ITEMSIZES = {}
 
 
 class Announcement(typing.NamedTuple):
-    """What a member announced for an op: its record, what may differ (``info``) and a small op's ``data``."""
+    """What a member announced for an op: its record, what may differ (``info``), a small op's ``data``, and
+    how many conflicts of its name across process sets the member had passed (``Protocol._fail``)."""
 
     record: object
     info: object = None
     data: object = None
+    passed: int = 0
 
 
 # The key join() announces. A rank that has joined answers every allreduce it
@@ -398,6 +400,11 @@ class Board:
     def drop(self, key):
         """Forget ``key`` and any announcement of it waiting its turn (its op failed here without a match)."""
         self._entries.pop(key, None)
+
+    def since(self, key):
+        """When the board heard ``key``'s op first (what tells it from a later op of that name), or None."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.since
 
     def complete(self, key):
         entry = self._entries.get(key)

@@ -35,12 +35,10 @@ bytes per member (Horovod's response cache does the same with a bit).
 """
 
 import collections
-import os
-import struct
-import time
 import typing
 
 from . import kernels
+from .alone import ALONE_TAG, LonePath, as_runtime_error
 from .errors import CollectiveMismatchError, HorovodInternalError
 from .handles import Countdown, Entry, Pending
 from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, op_label,
@@ -49,13 +47,8 @@ from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Groupe
 __all__ = ["Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
-ALONE_TAG = 8       # an announcement sent alone (Protocol.run_alone), raw: _ALONE's fields, the key, the data
                     # (from the next multiple of 8 bytes)
-_ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
-_KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
 RUN = "run"
-_NONE = (None, None)
-_NO_RECORDS = {}    # (read only: a member no record was heard from yet)
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
 
@@ -68,7 +61,7 @@ class Decision(typing.NamedTuple):
     infos: list
 
 
-class Protocol:
+class Protocol(LonePath):
     """One process set's announcements, board, order and runs on this rank: the driving thread's alone.
 
     Args:
@@ -111,6 +104,7 @@ class Protocol:
         self._acks = set()
         self._inspected = 0.0
         self._awaited = {}                     # key -> [(deadline, callback)]: run once its op is decided here
+        self._deferred = {}                    # key -> this rank's entry failed as a conflict, its error held back
         self._fusion_bytes = engine.settings.fusion_bytes
 
     def busy(self):
@@ -174,7 +168,7 @@ class Protocol:
             for e in entries:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: {closed}"))
             return
-        items, complete = [], []
+        items, complete, passed = [], [], self._passed(entries)
         for e in entries:
             self._mine[e.key] = e
             data = self._data_of(e)
@@ -183,8 +177,8 @@ class Protocol:
                 self._complete(e, error=HorovodInternalError(f"{e.label}: a rank has joined; only allreduce runs "
                                                              "while ranks are joined"))
                 continue
-            if self._board.add(self.rank, e.key, Announcement(e.record, e.info, e.args[0] if e.local else None),
-                               now):
+            announcement = Announcement(e.record, e.info, e.args[0] if e.local else None, passed.get(e.key, 0))
+            if self._board.add(self.rank, e.key, announcement, now):
                 complete.append(e.key)
             if e.key == JOIN and self.is_leader:
                 self._join_order.append(self.rank)
@@ -195,12 +189,17 @@ class Protocol:
             if e.key == JOIN:  # from now on this rank answers the ops it has not submitted: it adds zeros
                 self._answer_all(now, complete)
         if items:
-            self._send_all(("a", (self.rank, items)))
+            self._send_all(("a", (self.rank, items, passed) if passed else (self.rank, items)))
         if JOIN in self._board:
             self._check_joined([e.key for e in entries] if JOIN not in self._mine else self._board.keys(), now)
         for key in complete:
             if self._board.complete(key):
                 self._heard_all(key, now)
+
+    def _passed(self, entries):
+        """key -> how many conflicts of its name this rank has passed (:meth:`_fail`), for those it has any."""
+        passed = self.engine.conflicts_passed
+        return {e.key: passed[user_name(e.key)] for e in entries if user_name(e.key) in passed} if passed else {}
 
     def _record_id(self, record):
         """``(id, new)``: the id ``record`` is announced under, and whether it must go with it this once."""
@@ -248,18 +247,10 @@ class Protocol:
         rank, record_id, name, data = self._receive_alone(message)
         return "a", (rank, [(name.decode(errors="surrogatepass"), record_id, None, None, data)])
 
-    def _receive_alone(self, message):
-        """A lone announcement probed in ``self._status``: ``(rank, record id, the key's UTF-8, data)``."""
-        raw = bytearray(self._status.Get_count(self._byte))
-        message.Recv([raw, self._byte])
-        rank, record_id, length = _ALONE.unpack_from(raw)
-        end = _ALONE.size + length
-        return rank, record_id, raw[_ALONE.size:end], memoryview(raw)[_aligned(end):]
-
     def _act(self, kind, body, now):
         """Act on one message from a member."""
         if kind == "a":
-            self._heard(*body, now)
+            self._heard(now, *body)
         elif kind == "d":
             self._batch += 1
             self._ordered.extend((self._batch, *order) for order in body)
@@ -271,146 +262,8 @@ class Protocol:
             self._leader_closed = body
             self.channel.close(body)
 
-    # The common case on its own.
-
-    def can_run_alone(self, entry):
-        """Whether ``entry``, the only op queued, may take :meth:`run_alone`: a small allreduce on an idle set."""
-        return (entry.local and entry.kind == "allreduce" and self._others and not self._mine and not self._ordered
-                and not self._to_order and not self._answers and not self._failed_joined and self._board.empty()
-                and self.engine.timeline is None and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record
-                and len(entry.key) <= _KEY_CHARS)
-
-    def run_alone(self, entry, spin, patience):
-        """Announce ``entry`` and compute it from the members' announcements, skipping the board: True when done.
-
-        The same announcement as :meth:`step` makes (sent raw, which any
-        member's :meth:`_next_message` reads), so the members need not know
-        which way a rank took: what is skipped is this rank's bookkeeping
-        for the common case of a loop of blocking small allreduces, each
-        matched by every member's announcement of the same record within
-        ``patience`` seconds (spinning for the first ``spin``, then yielding
-        the core between looks). Anything else (another message, another
-        record, a late member) returns False with the op and every message
-        read put where :meth:`step` would have put them, and the general
-        path goes on from there: errors, stalls and bounds are its.
-        """
-        key, record, array = entry.key, entry.record, entry.args[0]
-        head = self._heads.get(key)
-        if head is None or head[0] is not record:
-            head = self._head(key, record)
-        got, read = {self.rank: (array, record)}, []
-        try:
-            self._send_raw(head[1] + array.tobytes())
-            heard = self._hear_alone(key, head[2], record, got, read, spin, patience)
-        except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it;
-            # one that came before every member was sent it leaves the op to the stall bounds, not a name
-            # stuck in flight for good)
-            self._join_general(entry, read)
-            raise
-        if heard:
-            self._finish_alone(entry, got)
-            return True
-        self._join_general(entry, read)
-        return False
-
-    def _send_raw(self, raw):
-        """Send a lone announcement to every member (raw: any member's :meth:`_next_message` reads it)."""
-        for r in self._others:
-            request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
-            if not request.Test():
-                self._sends.append(request)
-
-    def _head(self, key, record):
-        """``(record, what precedes the data in its lone announcement, the key's UTF-8)``, kept for the next call."""
-        name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
-        fields = _ALONE.pack(self.rank, self._record_ids[id(record)][1], len(name)) + name
-        if len(self._heads) >= 4096:
-            self._heads.clear()
-        head = self._heads[key] = (record, fields + bytes(_aligned(len(fields)) - len(fields)), name)
-        return head
-
-    def _hear_alone(self, key, name, record, got, read, spin, patience):
-        """Read members' messages into ``read`` and their data for ``key`` (``name``, its UTF-8) into ``got``:
-        True once every member's is in.
-
-        Stops (False) at the first message that is not a member's lone
-        announcement of the key with ``record``, after ``patience`` seconds,
-        or as soon as another op is queued here (it must be announced, and
-        the channel's thread cannot while this one drives). The loop is
-        :meth:`_next_message` with the match :meth:`_matching` remembers
-        checked first, and :meth:`_matching` itself only for anything else:
-        it runs for every small blocking op.
-        """
-        improbe, status, start = self.control.improbe, self._status, None
-        while True:
-            message = improbe(self._any_source, self._any_tag, status)
-            if message is None:
-                now = time.monotonic()
-                start = now if start is None else start
-                if now - start > patience or self.channel.queued():
-                    return False
-                if now - start > spin:  # (as the general path's driver does: a late peer may need this core)
-                    os.sched_yield()
-                continue
-            if status.Get_tag() != ALONE_TAG:
-                read.append(message.recv())
-                return False
-            rank, record_id, theirs, data = self._receive_alone(message)
-            known = self._records.get(rank, _NO_RECORDS).get(record_id)
-            kept = self._matched.get((rank, record_id))  # (what _matching remembers of an earlier match)
-            if kept is None or kept[0] is not known or kept[1] is not record or theirs != name or rank in got:
-                read.append(("a", (rank, [(theirs.decode(errors="surrogatepass"), record_id, None, None, data)])))
-                if self._matching(*read[-1], key, record) is None or rank in got:
-                    return False
-                known = self._records[rank][record_id]
-            else:
-                read.append(("a", (rank, [(key, record_id, None, None, data)])))
-            got[rank] = (data, known)
-            if len(got) == len(self.ranks):
-                return True
-
-    def _finish_alone(self, entry, got):
-        """Compute ``entry`` from every member's data, with the first member's record (as the verdict picks it)."""
-        record = got[self.ranks[0]][1]  # (equal to every other, but equal is not the same: -0.0 == 0.0)
-        try:
-            result = kernels.reduce_locally(record, [got[r][0] for r in self.ranks], entry.args[1])
-        except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-            self._complete(entry, error=_as_runtime_error(exc))
-        else:
-            self._complete(entry, result)
-        if self._sends:
-            self._sends = [r for r in self._sends if not r.Test()]
-
-    def _matching(self, kind, body, key, record):
-        """``(data, their record)`` if ``(kind, body)`` is a member's lone announcement of ``key`` with a record
-        equal to ``record``, else None."""
-        if kind != "a" or len(body[1]) != 1:
-            return None
-        theirs, record_id, sent, info, data = body[1][0]
-        if theirs != key or sent is not None or info is not None or data is None:
-            return None
-        known = self._records.get(body[0], {}).get(record_id)
-        if known is record:
-            return data, known
-        kept = self._matched.get((body[0], record_id))
-        if kept is not None and kept[0] is known and kept[1] is record:
-            return data, known
-        if known is None or known != record:
-            return None
-        if len(self._matched) >= 4096:
-            self._matched.clear()
-        self._matched[(body[0], record_id)] = (known, record)  # both kept alive: their ids are not reused
-        return data, known
-
-    def _join_general(self, entry, read):
-        """``entry``, announced by :meth:`run_alone`, and the messages it read, where :meth:`step` puts them."""
-        now = time.monotonic()
-        self._mine[entry.key] = entry
-        self._board.add(self.rank, entry.key, Announcement(entry.record, None, entry.args[0]), now)
-        for kind, body in read:
-            self._act(kind, body, now)
-
-    def _heard(self, rank, items, now):
+    def _heard(self, now, rank, items, passed=None):
+        """``rank`` announced ``items``; ``passed``: key -> conflicts of its name the rank had passed, if any."""
         records = self._records.setdefault(rank, {})
         complete = []
         for key, record_id, record, info, data in items:
@@ -420,7 +273,7 @@ class Protocol:
                 record = records[record_id]
             if key in self._failed_joined:
                 continue  # failed here already: a rank has joined, and only allreduces run
-            if self._board.add(rank, key, Announcement(record, info, data), now):
+            if self._board.add(rank, key, Announcement(record, info, data, passed.get(key, 0) if passed else 0), now):
                 complete.append(key)
             if key == JOIN:
                 if self.is_leader:
@@ -488,15 +341,19 @@ class Protocol:
 
     # Conflicts across process sets (negotiation.conflicts): both ops fail, and neither rank goes on early.
 
-    def _withdraw(self, key, submitted, why, partner):
-        """Ask the leader to fail this rank's op ``key`` another set's leader found in conflict, if undecided.
+    def _withdraw(self, key, submitted, why, partner, confirm):
+        """Ask the leader to fail this rank's op ``key`` another set's leader found in conflict, if undecided;
+        and tell that leader (``confirm``: its rank, its op's error) it was, so it fails its own.
 
         Sent on the control communicator after the op's announcement and
         before any later op of its name, so the leader cannot take it for another.
         """
-        entry = self._mine.get(key)
+        entry = self._mine.get(key) or self._deferred.get(key)  # (failed as a conflict, not told yet: confirmed)
         if entry is None or entry.submitted != submitted:
-            return  # decided since, or a later op of that name
+            return  # decided since, or a later op of that name: the conflict was seen in a stale report
+        self.engine.confirm(confirm[0], partner, confirm[1], (self.set_id, key))
+        if key not in self._mine:
+            return
         if self.is_leader:
             self._withdrawn(self.rank, key, why, partner)
         else:
@@ -510,23 +367,47 @@ class Protocol:
         if self._board.has(key, rank) and not self._board.complete(key) and not failing and waits_for_them:
             self._order([(key, FAIL, (True, why, partner, tuple(self._board.partial(key))))])
 
+    def _confirmed(self, key, rank, error, theirs):
+        """The leader's side: ``rank`` confirmed its op ``theirs`` (``(set, key)``) conflicts with op ``key``
+        here (:meth:`_inspect`; ``error``: its error, and when the board first heard it): fail it, if it
+        still waits for that rank."""
+        error, since = error
+        failing = any(k == key and action == FAIL for _, k, action, _ in self._ordered)
+        if self._board.since(key) == since and not self._board.complete(key) and not self._board.has(key, rank) \
+                and not failing:
+            self._order([(key, FAIL, (True, error, theirs, tuple(self._board.partial(key))))])
+
     def _fail(self, entry, mismatch, text, partner=None):
         """Fail ``entry`` as the leader ordered; one that conflicts with an op on another set (``partner``) only
         once this rank has seen every op of its name on its other sets decided: a rank that went on before
-        could announce its next op of that name on a set where one, failed by its leader, is still pending."""
+        could announce its next op of that name on a set where one, failed by its leader, is still pending.
+        Only the ops announced before their ranks went on past a conflict of that name as often as this one
+        (:meth:`Engine.conflict_passed`): a later one is a member's next op, which waits for this rank's."""
         error = (CollectiveMismatchError if mismatch else HorovodInternalError)(text)
         if partner is None:
             return self._complete(entry, error=error)
-        self.engine.after_decided(user_name(entry.key), self.set_id, lambda: self._complete(entry, error=error))
+        name = user_name(entry.key)
+        self._deferred[entry.key] = entry
+
+        def deliver():  # (on whichever driver's thread decides the last of those ops)
+            self._deferred.pop(entry.key, None)
+            self.engine.conflict_passed(name)
+            self._complete(entry, error=error)
+        self.engine.after_decided(name, self.set_id, self.engine.conflicts_passed.get(name, 0), deliver)
 
     def _requests(self, requests, now):
-        """Other threads' requests: withdraw an op, or run a callback once an op is decided here."""
+        """Other threads' requests: withdraw an op, fail one whose conflict is confirmed, or run a callback once
+        an op is decided here."""
         for what, *args in requests:
             if what == "withdraw":
                 self._withdraw(*args)
-            else:  # ("after", name, callback): each op of that name is decided once it leaves the board (or in
-                keys = [k for k in self._board.keys() if user_name(k) == args[0]]  # 5 probes at most)
-                countdown = Countdown(len(keys), args[1])
+            elif what == "confirmed":
+                self._confirmed(*args)
+            else:  # ("after", name, passed, callback): each op of that name announced before its rank passed
+                name, passed, callback = args  # more conflicts is decided once it leaves the board (5 probes at most)
+                keys = [k for k in self._board.keys() if user_name(k) == name
+                        and any(a.passed <= passed for a in self._board.partial(k).values())]
+                countdown = Countdown(len(keys), callback)
                 for key in keys:
                     self._awaited.setdefault(key, []).append((now + 5 * PROBE_S, countdown.one))
 
@@ -556,7 +437,7 @@ class Protocol:
                     with timeline.span(entry.label + " (local)", tid=1):
                         result = kernels.run_local(v.record, data, out)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-                self._complete(entry, error=_as_runtime_error(exc))
+                self._complete(entry, error=as_runtime_error(exc))
             else:
                 self._complete(entry, result)
         self._done(key, now)
@@ -644,7 +525,7 @@ class Protocol:
             try:
                 result = self.engine.run_call(decision.record, entry.args, self.data)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-                return self._complete(entry, error=_as_runtime_error(exc))
+                return self._complete(entry, error=as_runtime_error(exc))
             return self._complete(entry, result)
         timeline = self.engine.timeline
         try:
@@ -656,7 +537,7 @@ class Protocol:
                     results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             for _, e in group:
-                self._complete(e, error=_as_runtime_error(exc))
+                self._complete(e, error=as_runtime_error(exc))
             return
         for (_, e), result in zip(group, results):
             self._complete(e, result)
@@ -733,18 +614,11 @@ class Protocol:
         if not waiting:
             return
         failed, elsewhere = conflicts(self.set_id, self.ranks, waiting, self.engine.reports, PROBE_S)
-        if failed:
-            self._order([(key, FAIL, (True, error, partner, tuple(self._board.partial(key))))
-                         for key, error, partner in failed])
-        for rank, set_id, key, submitted, error, partner in elsewhere:
-            self.engine.withdraw(rank, set_id, key, submitted, error, partner)
+        here = [(key, FAIL, (True, error, None, tuple(self._board.partial(key)))) for key, error, p in failed if not p]
+        if here:
+            self._order(here)
+        errors = {key: error for key, error, _ in failed}  # (one across sets fails once a rank confirms it)
+        for rank, set_id, key, submitted, why, partner in elsewhere:  # (the op's since: this one, not a later)
+            self.engine.withdraw(rank, set_id, key, submitted, why, partner, (errors[partner[1]],
+                                                                              self._board.since(partner[1])))
         self.engine.stall_check(self.set_id, self.ranks, waiting, now)
-
-
-def _aligned(offset):
-    """Where a raw announcement's data starts after ``offset`` bytes: a multiple of 8, so its view is aligned."""
-    return -(-offset // 8) * 8
-
-
-def _as_runtime_error(exc):
-    return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
