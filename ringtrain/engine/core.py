@@ -298,6 +298,10 @@ class Engine:
                 self._notice(r, ("p", self.rank, reason, failure))
 
     def _read_notices(self):
+        """Act on the notices other ranks sent: ``("r", rank, waiting)`` its report of ops it has waited on;
+        ``("w", leader, set, key, submitted, why, partner, error)`` withdraw that op of this rank's (a leader
+        found a conflict); ``("y", rank, (set, key), error, theirs)`` its op ``theirs`` was undecided, so fail
+        ``key`` here; ``("p", rank, reason, failure)`` a peer shut down or failed."""
         from mpi4py import MPI
 
         with self._notice_lock:

@@ -11,7 +11,8 @@ submitted them, whatever ranks outside the set are doing.
 The messages (:mod:`ringtrain.engine.negotiation` holds the rules; read
 with any tag, so MPI keeps each sender's messages in order)::
 
-    every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]))
+    every member -> every member   ("a", (rank, [(key, record id, record or None, info, data), ...]
+                                          [, {key: conflicts of its name passed} if any]))
                                    or one small allreduce's, raw (ALONE_TAG: rank, record id, key, data)
     leader -> every member         ("d", [(key, RUN or FAIL, payload), ...])   the order of the collectives
                                                                                  (FAIL: (mismatch, why), or for an
