@@ -18,11 +18,12 @@ import time
 
 from . import kernels
 from .errors import HorovodInternalError
-from .negotiation import Announcement
+from .negotiation import Announcement, user_name
 
 __all__ = ["ALONE_TAG", "LonePath", "as_runtime_error"]
 
 ALONE_TAG = 8       # an announcement sent alone (LonePath.run_alone), raw: _ALONE's fields, the key, the data
+                    # (from the next multiple of 8 bytes)
 _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 _KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
 _NONE = (None, None)
@@ -43,12 +44,13 @@ class LonePath:
     def can_run_alone(self, entry):
         """Whether ``entry``, the only op queued, may take :meth:`run_alone`: a small allreduce on an idle set.
 
-        (Not once this rank has been told of a conflict across sets: a lone
-        announcement has no field for how many, which the general path's carry.)
+        (Not for a name this rank has been told of a conflict of across sets:
+        a lone announcement has no field for how many, which the general path's carry.)
         """
         return (entry.local and entry.kind == "allreduce" and self._others and not self._mine and not self._ordered
                 and not self._to_order and not self._answers and not self._failed_joined and self._board.empty()
-                and self.engine.timeline is None and not self.engine.conflicts_passed
+                and self.engine.timeline is None and not (self.engine.conflicts_passed
+                                                          and user_name(entry.key) in self.engine.conflicts_passed)
                 and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record and len(entry.key) <= _KEY_CHARS)
 
     def run_alone(self, entry, spin, patience):
@@ -185,7 +187,6 @@ class LonePath:
 def _aligned(offset):
     """Where a raw announcement's data starts after ``offset`` bytes: a multiple of 8, so its view is aligned."""
     return -(-offset // 8) * 8
-
 
 
 def as_runtime_error(exc):

@@ -75,7 +75,8 @@ class Channel:
         return new
 
     def take_requests(self):
-        """Other threads' requests since the last call: ops to withdraw, callbacks to run once an op is decided."""
+        """Other threads' requests since the last call: ops to withdraw or fail in a conflict, callbacks to run
+        once an op is decided."""
         with self._lock:
             taken, self.requests = self.requests, []
         return taken
@@ -118,11 +119,15 @@ class Channel:
     def request(self, *request):
         """Ask the driver for something only it may do (:meth:`Protocol._requests`); False once the set has closed.
 
-        ``("withdraw", key, submitted, why, partner)``: have the leader fail
-        this rank's op ``key`` if it is the one submitted at ``submitted`` and
-        still undecided (another set's leader found it in conflict).
-        ``("after", name, passed, callback)``: call ``callback`` once every op of that name now on the board,
-        announced by a rank that had passed at most ``passed`` conflicts of that name, is decided.
+        ``("withdraw", key, submitted, why, partner, confirm)``: if this
+        rank's op ``key`` is the one submitted at ``submitted`` and still
+        undecided (another set's leader found it in conflict), tell that leader
+        (``confirm``) and have this set's leader fail it.
+        ``("confirmed", key, rank, error, theirs)``: ``rank`` confirmed the
+        conflict of this set's op ``key``: the leader fails it with ``error``.
+        ``("after", name, (heard, passed), callback)``: call ``callback`` once
+        every op of that name now on the board, heard by ``heard`` or announced
+        by a rank that had passed at most ``passed`` conflicts of it, is decided.
         """
         with self._lock:
             if self.closed is not None:

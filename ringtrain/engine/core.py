@@ -382,19 +382,20 @@ class Engine:
         with self._notice_lock:
             self._sends.append(self._notices.isend(message, dest=rank, tag=NOTICE_TAG))
 
-    def after_decided(self, name, but, passed, callback):
+    def after_decided(self, name, but, since, callback):
         """Call ``callback`` once every op named ``name`` on this rank's sets other than ``but`` has been
-        decided there (failed or run): those on their boards now, announced by ranks that had passed at most
-        ``passed`` conflicts of that name (any thread; see Protocol._fail)."""
+        decided there (failed or run): those on their boards now that were heard by ``since[0]`` or announced
+        by ranks that had passed at most ``since[1]`` conflicts of that name (any thread; see Protocol._fail)."""
         channels = [c for set_id, c in list(self.channels.items()) if set_id != but]
         countdown = Countdown(len(channels), callback)
         for channel in channels:
-            if not channel.request("after", name, passed, countdown.one):
+            if not channel.request("after", name, since, countdown.one):
                 countdown.one()
 
     def conflict_passed(self, name):
-        """This rank's caller is told of a conflict of ``name`` across process sets (Protocol._fail)."""
-        self.conflicts_passed[name] = self.conflicts_passed.get(name, 0) + 1
+        """This rank's caller is told of a conflict of ``name`` across process sets (Protocol._fail; any thread)."""
+        with self._notice_lock:
+            self.conflicts_passed[name] = self.conflicts_passed.get(name, 0) + 1
 
     def stall_check(self, set_id, ranks, waiting, now):
         """A set's leader's look at its ``waiting`` ops: Horovod's stall warning, and its shutdown."""

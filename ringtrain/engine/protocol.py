@@ -48,7 +48,6 @@ from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Groupe
 __all__ = ["Decision", "Protocol", "TICK_S", "PROBE_S"]
 
 TAG = 7
-                    # (from the next multiple of 8 bytes)
 RUN = "run"
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
@@ -350,7 +349,7 @@ class Protocol(LonePath):
         before any later op of its name, so the leader cannot take it for another.
         """
         entry = self._mine.get(key) or self._deferred.get(key)  # (failed as a conflict, not told yet: confirmed)
-        if entry is None or entry.submitted != submitted:
+        if entry is None or entry.submitted != submitted or self._board.complete(key) or self._runs(key):
             return  # decided since, or a later op of that name: the conflict was seen in a stale report
         self.engine.confirm(confirm[0], partner, confirm[1], (self.set_id, key))
         if key not in self._mine:
@@ -359,6 +358,11 @@ class Protocol(LonePath):
             self._withdrawn(self.rank, key, why, partner)
         else:
             self._send(self.leader, ("w", (self.rank, key, why, partner)))
+
+    def _runs(self, key):
+        """Whether op ``key`` is ordered to run here (matched: in no conflict, whatever a report said)."""
+        return any(k == key and action == RUN for _, k, action, _ in self._ordered) or \
+            any(order[0] == key for order in self._to_order)
 
     def _withdrawn(self, rank, key, why, partner):
         """The leader's side: ``rank`` withdrew its op ``key``; fail it on every member if it is undecided and
@@ -378,23 +382,25 @@ class Protocol(LonePath):
                 and not failing:
             self._order([(key, FAIL, (True, error, theirs, tuple(self._board.partial(key))))])
 
-    def _fail(self, entry, mismatch, text, partner=None):
+    def _fail(self, entry, now, mismatch, text, partner=None):
         """Fail ``entry`` as the leader ordered; one that conflicts with an op on another set (``partner``) only
         once this rank has seen every op of its name on its other sets decided: a rank that went on before
         could announce its next op of that name on a set where one, failed by its leader, is still pending.
-        Only the ops announced before their ranks went on past a conflict of that name as often as this one
-        (:meth:`Engine.conflict_passed`): a later one is a member's next op, which waits for this rank's."""
+        Only the ops heard by then, or announced before their ranks went on past a conflict of that name as
+        often as this one (:meth:`Engine.conflict_passed`): a later one is a member's next op, which waits
+        for this rank's. (Either alone misses one: a message not read yet; a member whose count is not this
+        rank's.)"""
         error = (CollectiveMismatchError if mismatch else HorovodInternalError)(text)
         if partner is None:
             return self._complete(entry, error=error)
         name = user_name(entry.key)
         self._deferred[entry.key] = entry
 
-        def deliver():  # (on whichever driver's thread decides the last of those ops)
+        def deliver():  # (on whichever driver's thread decides the last of those ops: a dict's pop is atomic)
             self._deferred.pop(entry.key, None)
             self.engine.conflict_passed(name)
             self._complete(entry, error=error)
-        self.engine.after_decided(name, self.set_id, self.engine.conflicts_passed.get(name, 0), deliver)
+        self.engine.after_decided(name, self.set_id, (now, self.engine.conflicts_passed.get(name, 0)), deliver)
 
     def _requests(self, requests, now):
         """Other threads' requests: withdraw an op, fail one whose conflict is confirmed, or run a callback once
@@ -404,10 +410,10 @@ class Protocol(LonePath):
                 self._withdraw(*args)
             elif what == "confirmed":
                 self._confirmed(*args)
-            else:  # ("after", name, passed, callback): each op of that name announced before its rank passed
-                name, passed, callback = args  # more conflicts is decided once it leaves the board (5 probes at most)
-                keys = [k for k in self._board.keys() if user_name(k) == name
-                        and any(a.passed <= passed for a in self._board.partial(k).values())]
+            else:  # ("after", name, (heard, passed), callback): each op of that name heard by then or announced
+                name, (heard, passed), callback = args  # before its rank passed more conflicts is decided once it
+                keys = [k for k in self._board.keys() if user_name(k) == name and (  # leaves the board (5 probes)
+                    self._board.since(k) <= heard or any(a.passed <= passed for a in self._board.partial(k).values()))]
                 countdown = Countdown(len(keys), callback)
                 for key in keys:
                     self._awaited.setdefault(key, []).append((now + 5 * PROBE_S, countdown.one))
@@ -463,7 +469,7 @@ class Protocol(LonePath):
                 self._ordered.popleft()
                 entry = self._mine.pop(key, None)
                 if entry is not None:
-                    self._fail(entry, *payload[:3])
+                    self._fail(entry, now, *payload[:3])
                 self._done(key, now, *payload[3:])
                 moved = True
                 continue
