@@ -349,7 +349,8 @@ class Protocol(LonePath):
         before any later op of its name, so the leader cannot take it for another.
         """
         entry = self._mine.get(key) or self._deferred.get(key)  # (failed as a conflict, not told yet: confirmed)
-        if entry is None or entry.submitted != submitted or self._board.complete(key) or self._runs(key):
+        runs = self._ordered_as(key, RUN) or any(order[0] == key for order in self._to_order)
+        if entry is None or entry.submitted != submitted or self._board.complete(key) or runs:
             return  # decided since, or a later op of that name: the conflict was seen in a stale report
         self.engine.confirm(confirm[0], partner, confirm[1], (self.set_id, key))
         if key not in self._mine:
@@ -359,15 +360,15 @@ class Protocol(LonePath):
         else:
             self._send(self.leader, ("w", (self.rank, key, why, partner)))
 
-    def _runs(self, key):
-        """Whether op ``key`` is ordered to run here (matched: in no conflict, whatever a report said)."""
-        return any(k == key and action == RUN for _, k, action, _ in self._ordered) or \
-            any(order[0] == key for order in self._to_order)
+    def _ordered_as(self, key, action):
+        """Whether op ``key`` is in the leader's order with ``action`` (RUN: matched, in no conflict whatever a
+        report said; FAIL: failed already), not yet carried out here."""
+        return any(k == key and a == action for _, k, a, _ in self._ordered)
 
     def _withdrawn(self, rank, key, why, partner):
         """The leader's side: ``rank`` withdrew its op ``key``; fail it on every member if it is undecided and
         waits for a rank that submitted the partner (``(set, key, its ranks)``) instead."""
-        failing = any(k == key and action == FAIL for _, k, action, _ in self._ordered)  # (found here too)
+        failing = self._ordered_as(key, FAIL)  # (found here too)
         waits_for_them = any(not self._board.has(key, r) for r in partner[2] if r in self._index)
         if self._board.has(key, rank) and not self._board.complete(key) and not failing and waits_for_them:
             self._order([(key, FAIL, (True, why, partner, tuple(self._board.partial(key))))])
@@ -377,7 +378,7 @@ class Protocol(LonePath):
         here (:meth:`_inspect`; ``error``: its error, and when the board first heard it): fail it, if it
         still waits for that rank."""
         error, since = error
-        failing = any(k == key and action == FAIL for _, k, action, _ in self._ordered)
+        failing = self._ordered_as(key, FAIL)
         if self._board.since(key) == since and not self._board.complete(key) and not self._board.has(key, rank) \
                 and not failing:
             self._order([(key, FAIL, (True, error, theirs, tuple(self._board.partial(key))))])
