@@ -10,36 +10,89 @@ which way a rank took; anything unexpected (another message, another
 record, a late member) hands the op and what was read to the general path,
 whose errors, stalls and bounds then apply. Like the rest of the protocol,
 only the set's driving thread runs it.
+
+Calls of one record whose names are as long (a name called again and again,
+or Horovod's numbered default names) share what they can (:class:`_Lone`):
+the buffer this rank's announcement is written into, and how each member's
+began last time (its rank, record id and the name's length), with a buffer
+to receive the next one into. A call checks a member's announcement by
+comparing its bytes with those and with its own name, not by decoding it.
 """
 
 import os
 import struct
 import time
 
+import numpy as np
+
 from . import kernels
 from .errors import HorovodInternalError
 from .negotiation import Announcement, user_name
 
-__all__ = ["ALONE_TAG", "LonePath", "as_runtime_error"]
+__all__ = ["ALONE_TAG", "LonePath", "as_runtime_error", "parse_alone", "same_call"]
 
 ALONE_TAG = 8       # an announcement sent alone (LonePath.run_alone), raw: _ALONE's fields, the key, the data
                     # (from the next multiple of 8 bytes)
 _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 _KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
-_NONE = (None, None)
 _NO_RECORDS = {}    # (read only: a member no record was heard from yet)
+_KEPT_BYTES = 16 << 20  # the most buffer bytes kept for names' lone calls (then all are dropped: ever-new names)
+
+
+class _Peer:
+    """How one member's lone announcements of a record began (``fields``: its rank, record id, the name's length),
+    and where the next one is received (``raw``; ``data``, its data as a flat array of this rank's array's dtype)."""
+
+    __slots__ = ("rank", "fields", "raw", "data", "record_id", "records", "known")
+
+    def __init__(self, rank, raw, data, record_id, records, dtype):
+        data_at = len(raw) - len(data)
+        self.rank, self.record_id, self.records = rank, record_id, records
+        self.fields = bytes(raw[:_ALONE.size])
+        self.raw = bytearray(len(raw))
+        self.data = np.frombuffer(self.raw, dtype, offset=data_at)  # (the kernels take it as they take the array)
+        self.known = records[record_id]  # their record, as their id names it now (checked each call)
+
+    def message(self, key):
+        """The announcement last received into :attr:`raw`, as :meth:`LonePath._join_general` takes one (a copy)."""
+        return "a", (self.rank, [(key, self.record_id, None, None, memoryview(self.data.tobytes()))])
+
+
+class _Lone:
+    """The lone calls of one record with names of one length: this rank's announcement (``raw``; its data a view
+    ``data`` like the op's array) and the members' (:class:`_Peer`, by index in the set's communicator, once heard)."""
+
+    __slots__ = ("record", "fields", "data_at", "raw", "data", "sends", "peers")
+
+    def __init__(self, record, fields, length, array):
+        self.record, self.fields, self.data_at = record, fields, _aligned(_ALONE.size + length)
+        self.peers = {}
+        self.sends = []
+        self._fresh(array)
+
+    def _fresh(self, array):
+        """A new buffer for this rank's announcement (the last may still be on its way)."""
+        self.raw = bytearray(self.data_at + array.nbytes)
+        self.raw[:_ALONE.size] = self.fields
+        self.data = np.frombuffer(self.raw, array.dtype, offset=self.data_at).reshape(array.shape)
+        self.sends = []
+
+    def write(self, name, array):
+        """This rank's announcement of ``array`` named ``name`` (UTF-8): :attr:`raw`, the name and data copied in."""
+        if array.dtype != self.data.dtype or array.shape != self.data.shape:  # (an equal record, another view)
+            self._fresh(array)
+            self.peers = {}
+        elif self.sends:
+            self.sends = [r for r in self.sends if not r.Test()]
+            if self.sends:
+                self._fresh(array)
+        self.raw[_ALONE.size:_ALONE.size + len(name)] = name
+        np.copyto(self.data, array)
+        return self.raw
 
 
 class LonePath:
     """:class:`~ringtrain.engine.protocol.Protocol`'s lone small allreduce (its state is the protocol's)."""
-
-    def _receive_alone(self, message):
-        """A lone announcement probed in ``self._status``: ``(rank, record id, the key's UTF-8, data)``."""
-        raw = bytearray(self._status.Get_count(self._byte))
-        message.Recv([raw, self._byte])
-        rank, record_id, length = _ALONE.unpack_from(raw)
-        end = _ALONE.size + length
-        return rank, record_id, raw[_ALONE.size:end], memoryview(raw)[_aligned(end):]
 
     def can_run_alone(self, entry):
         """Whether ``entry``, the only op queued, may take :meth:`run_alone`: a small allreduce on an idle set.
@@ -51,7 +104,8 @@ class LonePath:
                 and not self._to_order and not self._answers and not self._failed_joined and self._board.empty()
                 and self.engine.timeline is None and not (self.engine.conflicts_passed
                                                           and user_name(entry.key) in self.engine.conflicts_passed)
-                and self._record_ids.get(id(entry.record), _NONE)[0] is entry.record and len(entry.key) <= _KEY_CHARS)
+                and self._record_ids.get(id(entry.record), (None,))[0] is entry.record
+                and len(entry.key) <= _KEY_CHARS)
 
     def run_alone(self, entry, spin, patience):
         """Announce ``entry`` and compute it from the members' announcements, skipping the board: True when done.
@@ -68,53 +122,66 @@ class LonePath:
         path goes on from there: errors, stalls and bounds are its.
         """
         key, record, array = entry.key, entry.record, entry.args[0]
-        head = self._heads.get(key)
-        if head is None or head[0] is not record:
-            head = self._head(key, record)
-        got, read = {self.rank: (array, record)}, []
+        name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
+        lone = self._lones.get((id(record), len(name)))
+        if lone is None or lone.record is not record:
+            lone = self._lone(record, len(name), array)
+        got, read, fast = {self.rank: (array, record)}, [], []
         try:
-            self._send_raw(head[1] + array.tobytes())
-            heard = self._hear_alone(key, head[2], record, got, read, spin, patience)
+            self._send_raw(lone, lone.write(name, array))
+            heard = self._hear_alone(key, name, lone, got, read, fast, spin, patience)
         except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it;
             # one that came before every member was sent it leaves the op to the stall bounds, not a name
             # stuck in flight for good)
-            self._join_general(entry, read)
+            self._join_general(entry, [peer.message(key) for peer in fast] + read)
             raise
         if heard:
             self._finish_alone(entry, got)
             return True
-        self._join_general(entry, read)
+        self._join_general(entry, [peer.message(key) for peer in fast] + read)
         return False
 
-    def _send_raw(self, raw):
+    def _send_raw(self, lone, raw):
         """Send a lone announcement to every member (raw: any member's :meth:`_next_message` reads it)."""
         for r in self._others:
             request = self.control.Isend([raw, self._byte], dest=self._index[r], tag=ALONE_TAG)  # (it holds raw)
             if not request.Test():
+                lone.sends.append(request)
                 self._sends.append(request)
 
-    def _head(self, key, record):
-        """``(record, what precedes the data in its lone announcement, the key's UTF-8)``, kept for the next call."""
-        name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
-        fields = _ALONE.pack(self.rank, self._record_ids[id(record)][1], len(name)) + name
-        if len(self._heads) >= 4096:
-            self._heads.clear()
-        head = self._heads[key] = (record, fields + bytes(_aligned(len(fields)) - len(fields)), name)
-        return head
+    def _lone(self, record, length, array):
+        """A new :class:`_Lone` for calls of ``record`` with names ``length`` bytes long (its id is announced:
+        :meth:`can_run_alone`)."""
+        fields = _ALONE.pack(self.rank, self._record_ids[id(record)][1], length)
+        self._lone_bytes += array.nbytes * len(self.ranks)  # (its buffer, and one per member once heard)
+        if self._lone_bytes > _KEPT_BYTES:
+            self._lones.clear()
+            self._lone_bytes = array.nbytes * len(self.ranks)
+        lone = self._lones[(id(record), length)] = _Lone(record, fields, length, array)  # (it keeps record alive)
+        return lone
 
-    def _hear_alone(self, key, name, record, got, read, spin, patience):
-        """Read members' messages into ``read`` and their data for ``key`` (``name``, its UTF-8) into ``got``:
-        True once every member's is in.
+    def _receive_alone(self, message):
+        """The raw lone announcement probed in ``self._status`` (:func:`parse_alone` reads it)."""
+        raw = bytearray(self._status.Get_count(self._byte))
+        message.Recv([raw, self._byte])
+        return raw
 
-        Stops (False) at the first message that is not a member's lone
-        announcement of the key with ``record``, after ``patience`` seconds,
-        or as soon as another op is queued here (it must be announced, and
-        the channel's thread cannot while this one drives). The loop is
-        :meth:`_next_message` with the match :meth:`_matching` remembers
-        checked first, and :meth:`_matching` itself only for anything else:
-        it runs for every small blocking op.
+    def _hear_alone(self, key, name, lone, got, read, fast, spin, patience):
+        """Read members' lone announcements of ``key`` into ``got`` (their data and records): True once every
+        member's is in.
+
+        A member's announcement that begins as its last one of the record
+        did (its rank, its record id, still naming the same record, a name
+        as long) and names ``name`` (the key's UTF-8) is received into that
+        member's buffer and goes to ``fast``; any other message is decoded
+        and goes to ``read``, as :meth:`_next_message` would have read it.
+        Stops (False) at the first
+        message that is not a member's lone announcement of the key with a
+        record equal to this rank's, after ``patience`` seconds, or as soon
+        as another op is queued here (it must be announced, and the channel's
+        thread cannot while this one drives).
         """
-        improbe, status, start = self.control.improbe, self._status, None
+        improbe, status, byte, peers, start = self.control.improbe, self._status, self._byte, lone.peers, None
         while True:
             message = improbe(self._any_source, self._any_tag, status)
             if message is None:
@@ -128,17 +195,26 @@ class LonePath:
             if status.Get_tag() != ALONE_TAG:
                 read.append(message.recv())
                 return False
-            rank, record_id, theirs, data = self._receive_alone(message)
-            known = self._records.get(rank, _NO_RECORDS).get(record_id)
-            kept = self._matched.get((rank, record_id))  # (what _matching remembers of an earlier match)
-            if kept is None or kept[0] is not known or kept[1] is not record or theirs != name or rank in got:
-                read.append(("a", (rank, [(theirs.decode(errors="surrogatepass"), record_id, None, None, data)])))
-                if self._matching(*read[-1], key, record) is None or rank in got:
-                    return False
-                known = self._records[rank][record_id]
+            peer = peers.get(status.Get_source())
+            if peer is not None and status.Get_count(byte) == len(peer.raw) and peer.rank not in got:
+                message.Recv([peer.raw, byte])
+                raw = peer.raw
+                if same_call(raw, peer.fields, name) and peer.records.get(peer.record_id) is peer.known:
+                    fast.append(peer)
+                    got[peer.rank] = (peer.data, peer.known)
+                    if len(got) == len(self.ranks):
+                        return True
+                    continue
+                raw = bytes(raw)
             else:
-                read.append(("a", (rank, [(key, record_id, None, None, data)])))
-            got[rank] = (data, known)
+                raw = self._receive_alone(message)
+            rank, record_id, theirs, data = parse_alone(raw)
+            read.append(("a", (rank, [(theirs.decode(errors="surrogatepass"), record_id, None, None, data)])))
+            matched = self._matching(*read[-1], key, lone.record)
+            if matched is None or rank in got:
+                return False
+            got[rank] = matched
+            peers[self._index[rank]] = _Peer(rank, raw, data, record_id, self._records[rank], lone.data.dtype)
             if len(got) == len(self.ranks):
                 return True
 
@@ -162,17 +238,9 @@ class LonePath:
         theirs, record_id, sent, info, data = body[1][0]
         if theirs != key or sent is not None or info is not None or data is None:
             return None
-        known = self._records.get(body[0], {}).get(record_id)
-        if known is record:
-            return data, known
-        kept = self._matched.get((body[0], record_id))
-        if kept is not None and kept[0] is known and kept[1] is record:
-            return data, known
-        if known is None or known != record:
+        known = self._records.get(body[0], _NO_RECORDS).get(record_id)
+        if known is None or (known is not record and known != record):
             return None
-        if len(self._matched) >= 4096:
-            self._matched.clear()
-        self._matched[(body[0], record_id)] = (known, record)  # both kept alive: their ids are not reused
         return data, known
 
     def _join_general(self, entry, read):
@@ -182,6 +250,19 @@ class LonePath:
         self._board.add(self.rank, entry.key, Announcement(entry.record, None, entry.args[0]), now)
         for kind, body in read:
             self._act(kind, body, now)
+
+
+def same_call(raw, fields, name):
+    """Whether the lone announcement ``raw`` begins with ``fields`` (a member's rank, record id and a name's length,
+    as its last one of a record did) and names ``name`` (UTF-8) (pure)."""
+    return raw.startswith(fields) and raw.startswith(name, _ALONE.size)
+
+
+def parse_alone(raw):
+    """A raw lone announcement's ``(rank, record id, the key's UTF-8, data)`` (pure; the data a view of ``raw``)."""
+    rank, record_id, length = _ALONE.unpack_from(raw)
+    end = _ALONE.size + length
+    return rank, record_id, raw[_ALONE.size:end], memoryview(raw)[_aligned(end):]
 
 
 def _aligned(offset):

@@ -138,10 +138,8 @@ def _reduce_in_numpy(record, numpy_dtype, inputs, out):
     n = len(inputs)
     if n == 1:
         np.copyto(total, _flat(inputs[0], out, total, numpy_dtype))
-    elif n == 2 and inputs[0] is out and type(inputs[1]) is memoryview:  # a small op's own side and a peer's bytes
-        np.add(total, np.frombuffer(inputs[1], numpy_dtype), out=total)
-    elif n == 2 and inputs[1] is out and type(inputs[0]) is memoryview:
-        np.add(np.frombuffer(inputs[0], numpy_dtype), total, out=total)
+    elif n == 2:  # (one ufunc call: NumPy sees to an input that shares out's memory)
+        np.add(_flat(inputs[0], out, total, numpy_dtype), _flat(inputs[1], out, total, numpy_dtype), out=total)
     else:
         later = []
         for x in inputs[2:]:  # out may be one of them: one read after the first sum is a copy, taken before it
@@ -152,8 +150,9 @@ def _reduce_in_numpy(record, numpy_dtype, inputs, out):
             total += a
     if record.op == "average":
         divisor = _DIVISORS.get((numpy_dtype, n))
-        if divisor is None:  # a NumPy scalar of the array's dtype: the division stays in that dtype
-            divisor = _DIVISORS[(numpy_dtype, n)] = numpy_dtype(n)
+        if divisor is None:  # of the array's dtype, so the division stays in it (0-d: a ufunc takes it faster)
+            divisor = _DIVISORS[(numpy_dtype, n)] = np.array(n, numpy_dtype)
+            divisor.flags.writeable = False
         np.divide(total, divisor, out=total)
     return out
 

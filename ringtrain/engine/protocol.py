@@ -39,7 +39,7 @@ import collections
 import typing
 
 from . import kernels
-from .alone import ALONE_TAG, LonePath, as_runtime_error
+from .alone import ALONE_TAG, LonePath, as_runtime_error, parse_alone
 from .errors import CollectiveMismatchError, HorovodInternalError
 from .handles import Countdown, Entry, Pending
 from .negotiation import (FAIL, JOIN, JOINED, LOCAL, Announcement, Board, Grouped, conflicts, join_blocks, op_label,
@@ -95,8 +95,8 @@ class Protocol(LonePath):
         self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
         self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
-        self._matched = {}                     # (rank, record id) -> (its record, the equal one of this rank)
-        self._heads = {}                       # key -> what precedes a lone announcement's data (_head)
+        self._lones = {}                       # key -> what its lone calls keep (alone._Lone)
+        self._lone_bytes = 0                   # (the buffers they hold, bounded)
         self._next_record_id = 0
         self._records = {}                     # rank -> {id: record}
         self._leader_closed = None
@@ -208,7 +208,7 @@ class Protocol(LonePath):
             return record_id, False
         if len(self._record_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its record,
             self._record_ids.clear()       # so the members' tables of ids stay as small)
-            self._heads.clear()            # (the lone announcements' heads hold the old ids)
+            self._lones.clear()            # (the lone announcements hold the old ids)
             self._next_record_id = 0
         self._next_record_id += 1
         self._record_ids[id(record)] = (record, self._next_record_id)  # kept alive: its id is not reused
@@ -244,7 +244,7 @@ class Protocol(LonePath):
             return None
         if status.Get_tag() != ALONE_TAG:
             return message.recv()
-        rank, record_id, name, data = self._receive_alone(message)
+        rank, record_id, name, data = parse_alone(self._receive_alone(message))
         return "a", (rank, [(name.decode(errors="surrogatepass"), record_id, None, None, data)])
 
     def _act(self, kind, body, now):

@@ -120,6 +120,16 @@ def test_a_rank_that_raises_or_never_comes_after_a_loop_of_lone_ops_ends_the_job
                      result.stderr), show(result)
 
 
+def test_after_a_loop_of_lone_ops_a_rank_calling_another_name_of_the_same_length_never_pairs_with_the_others():
+    # The loop's calls are checked against each member's last one of the record by their bytes: rank 1's
+    # next call, "lost", is the same record with a name as long as "loss", and must not be taken for it.
+    result = job(2, "alone-rename", timeout=60, RINGTRAIN_TIMEOUT="5")
+    assert result.returncode != 0, show(result)
+    assert not re.search(r"(loss|lost) ok", result.stdout), show(result)
+    assert re.search(r"rank [01]: allreduce '(loss|lost)' did not finish within 5s; rank\(s\) \[[01]\] have not "
+                     r"submitted it", result.stderr), show(result)
+
+
 # --- helpers that run around the engine: broadcast_parameters, the optimizer's reductions, hvd.elastic ---
 
 def test_a_rank_that_exits_in_backward_fails_a_later_helper_and_ends_a_rank_stuck_in_its_reduction():

@@ -8,6 +8,7 @@ is compared exactly with what MPI's allgather of everyone's data gives,
 reduced with NumPy. Values are small integers, so sums are exact.
 """
 
+import dataclasses
 import time
 
 import numpy as np
@@ -298,6 +299,22 @@ def test_an_array_in_non_native_byte_order_is_refused_even_after_a_native_one_of
     swapped = np.arange(4).astype(">i8")
     with pytest.raises(ValueError, match="non-native byte order"):
         reduce(swapped, name="swapped", op=engine.Sum, out=swapped)
+
+
+@pytest.mark.mpi
+@BLOCKING
+def test_a_lone_op_whose_last_announcement_is_still_on_its_way_is_not_written_over(reduce, monkeypatch):
+    # A name's lone calls reuse the buffer their announcement is written into; one too large for MPI to
+    # send at once (allowed to ride with its announcement here) may still be on its way when the next
+    # call starts, and that call must not write its data over it: each step's values differ, and each
+    # result must be MPI's sum of that step's.
+    current = engine.current().engine
+    monkeypatch.setattr(current, "settings", dataclasses.replace(current.settings, local_bytes=4 << 20))
+    inputs = [_values((1 << 18,), step * SIZE + RANK) for step in range(40)]
+    results = [reduce(a.copy(), name="big", op=engine.Sum, out=None).copy() for a in inputs]  # (back to back)
+    everyone = COMM.allgather(inputs)
+    for step, result in enumerate(results):
+        np.testing.assert_array_equal(result, np.sum([e[step] for e in everyone], 0), err_msg=f"step {step}")
 
 
 @pytest.mark.mpi

@@ -1,12 +1,14 @@
 """The pure parts of ringtrain's engine, without MPI: verdicts, the board, names, stalls, argument checks."""
 
 import math
+import struct
 import threading
 
 import numpy as np
 import pytest
 
 from ringtrain.engine import arrays, kernels
+from ringtrain.engine.alone import parse_alone, same_call
 from ringtrain.engine.negotiation import (FAIL, JOINED, LOCAL, ORDERED, Allgather, Allreduce, Alltoall, Announcement,
                                           Barrier, Board, Broadcast, Call, Grouped, Names, Reducescatter, Refused,
                                           conflicts, first_difference, join_blocks, same_value, stall_report,
@@ -270,3 +272,24 @@ def test_an_array_in_non_native_byte_order_is_refused_naming_the_fix():
 def test_fusion_keys_treat_nan_factors_alike():
     assert reduction(prescale=float("nan")).fuse_key() == reduction(prescale=math.nan).fuse_key()
     assert reduction(shape=(3,)).fuse_key() == reduction(shape=(9,)).fuse_key()
+
+
+def lone_announcement(rank, record_id, name, data):
+    """A raw lone announcement as the wire format says: rank, record id, the name's length (<iiH), the name,
+    zeros to a multiple of 8 bytes, the data."""
+    fields = struct.pack("<iiH", rank, record_id, len(name)) + name
+    return fields + bytes(-len(fields) % 8) + data
+
+
+def test_a_lone_announcement_is_taken_as_a_members_next_call_only_with_its_rank_record_id_and_name():
+    # A member's lone announcement is checked against how its last one of the record began (rank, record
+    # id, name's length) and against this rank's name, not decoded: a name of the same length, another
+    # member or another record id must each send it to the general path.
+    sent = lone_announcement(1, 7, b"loss", b"\x00" * 16)
+    assert parse_alone(sent)[:3] == (1, 7, b"loss") and bytes(parse_alone(sent)[3]) == b"\x00" * 16
+    fields = sent[:10]
+    assert same_call(bytearray(sent), fields, b"loss")
+    assert not same_call(bytearray(sent), fields, b"lost")
+    assert not same_call(bytearray(lone_announcement(2, 7, b"loss", b"")), fields, b"loss")
+    assert not same_call(bytearray(lone_announcement(1, 8, b"loss", b"")), fields, b"loss")
+    assert not same_call(bytearray(lone_announcement(1, 7, b"losses", b"")), fields, b"losses")
