@@ -92,6 +92,7 @@ GRACE_S = 1.5  # between a failure and MPI_Abort: time for every rank to print h
 # A helper still inside MPI this long after a peer left cannot be waiting for anything but that peer: a peer
 # that had done its part before it left lets the helper return within moments, even on a loaded machine.
 HELPER_GRACE_S = 5.0
+SHUT_DOWN_HERE = "ringtrain's engine has been shut down on this rank; call hvd.init() again"
 
 
 class Engine:
@@ -117,6 +118,7 @@ class Engine:
         self.timeline_path = None
         self.broken = None          # why ops fail now, once this engine is shutting down
         self.failed = False         # a rank failed: the job is ending, so nothing is freed
+        self._told = (None, None)   # (this rank's shutdown, as its peers read it)
         self._peer_gone = None      # when word came that a peer shut down, failed or stalled
         self._helpers = {}          # token -> (label, started): helpers inside their collectives now
         self._tokens = itertools.count()
@@ -241,9 +243,10 @@ class Engine:
     def shutdown(self):
         """Fail what is pending and tell every rank this one has shut down; the channels' threads end."""
         if self.broken is None:
-            self._tell_everyone(f"rank {self.rank} has been shut down (ops after a rank's shutdown fail, "
-                                "as in Horovod)", failure=False)
-            self._break("ringtrain's engine has been shut down on this rank; call hvd.init() again", failure=False)
+            told = f"rank {self.rank} has been shut down (ops after a rank's shutdown fail, as in Horovod)"
+            self._told = (SHUT_DOWN_HERE, told)
+            self._tell_everyone(told, failure=False)
+            self._break(SHUT_DOWN_HERE, failure=False)
         for set_id in sorted(self.channels):
             self.channels[set_id].finish_close(timeout=30.0)
         for channel in self.channels.values():
@@ -251,6 +254,10 @@ class Engine:
         self._stop.set()
         self._watch.join(5)
         self.channels = {}
+
+    def as_told(self, reason):
+        """``reason`` as another rank should read it: this rank's own shutdown is, there, this rank's."""
+        return self._told[1] if reason == self._told[0] else reason
 
     def fail_job(self, reason):
         """This rank failed: every rank's ops fail with ``reason`` (the job is about to be aborted)."""

@@ -19,6 +19,8 @@ with any tag, so MPI keeps each sender's messages in order)::
                                                                                  unmatched op: (mismatch, why,
                                                                                  partner, ranks announced))
     leader -> every member         ("c", reason)                                closed: fail the rest
+    member -> every member         ("g", rank)                                  closing on a shutdown: its last
+                                                                                 announcement is sent
     member -> leader               ("k", rank)                                  closed here too (removal)
     member -> leader               ("w", (rank, key, why, partner))             withdraw its undecided op (it
                                                                                  conflicts with another set's)
@@ -51,6 +53,7 @@ TAG = 7
 RUN = "run"
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
+LAST_WORD_S = 1.0   # how long a set closing on a shutdown waits for its members' "g" (a rank that never drives)
 
 
 class Decision(typing.NamedTuple):
@@ -101,6 +104,8 @@ class Protocol(LonePath):
         self._records = {}                     # rank -> {id: record}
         self._leader_closed = None
         self._told = False                     # the closing word is sent (leader) or answered (member)
+        self._closing_since = None
+        self._gone = set()                     # members whose last announcement here has arrived ("g", "c")
         self._acks = set()
         self._inspected = 0.0
         self._awaited = {}                     # key -> [(deadline, callback)]: run once its op is decided here
@@ -258,7 +263,10 @@ class Protocol(LonePath):
             self._withdrawn(*body)
         elif kind == "k":  # a member's answer to the leader's word that the set is closed
             self._acks.add(body)
+        elif kind == "g":
+            self._gone.add(body)
         else:  # the leader has closed the set: so must this member
+            self._gone.add(self.leader)
             self._leader_closed = body
             self.channel.close(body)
 
@@ -588,6 +596,12 @@ class Protocol(LonePath):
         the leader's word and answers it, and the leader waits for every answer: nothing is left on its way
         on a communicator whose id MPI may give to the next one.
         """
+        if self._closing_since is None:
+            self._closing_since = now
+            if not self.channel.handshake and self._others:
+                self._send_all(("g", self.rank))
+        if self._hears_last_words(now):
+            return False
         if self.is_leader:
             if not self._told:
                 if self._to_order:
@@ -596,7 +610,7 @@ class Protocol(LonePath):
                 self._order([(key, FAIL, (False, f"{self._label_of(key)}: {reason}")) for key in self._board.keys()
                              if key not in ordered])
                 if self._others:
-                    self._send_all(("c", reason))
+                    self._send_all(("c", self.engine.as_told(reason)))
                 self._told = True
             if self.channel.handshake and len(self._acks) < len(self._others):
                 return False
@@ -615,6 +629,20 @@ class Protocol(LonePath):
         self._requests(self.channel.take_requests(), now)  # (none come once the set has closed)
         self._check_awaited(float("inf"))  # nothing will be decided here now
         return True
+
+    def _hears_last_words(self, now):
+        """Whether to keep reading before failing what is left: on a shutdown (not a failure, not a set's
+        removal) a member may have finished an op computed on the spot and shut down at once, while its
+        peers still wait for a third member's announcement of it, sent and on its way. Each member sends
+        "g" after its last announcement (the leader's "c" says as much), on the same communicator, so once
+        every member an op waits for has said so, nothing more will come for it."""
+        if self.engine.failed or self.channel.handshake or now - self._closing_since > LAST_WORD_S:
+            return False
+        for key, entry in self._mine.items():
+            announced = self._board.partial(key)
+            if entry.local and any(r not in announced and r not in self._gone for r in self._others):
+                return True
+        return False
 
     def _inspect(self, now):
         """The leader's watch over ops not every member has announced: conflicts, Horovod's stall warnings."""

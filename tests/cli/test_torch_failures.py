@@ -71,6 +71,13 @@ def test_ops_after_a_peers_shutdown_and_ops_pending_at_shutdown_fail_without_wai
     assert all("has been shut down" in m for m in mine.values()), show(result)
 
 
+def test_a_rank_that_shuts_down_right_after_its_last_op_leaves_a_peer_still_hearing_that_op_to_finish_it():
+    # Rank 2's announcements reach rank 1 late: ranks 0 and 2 finish the last op and shut down first.
+    result = job(3, "shutdown-race", timeout=60)
+    assert result.returncode == 0, show(result)
+    assert sorted(re.findall(r"rank (\d+): loop ok", result.stdout)) == ["0", "1", "2"], show(result)
+
+
 def test_a_stall_is_reported_naming_the_late_rank_then_fails_the_waiting_ranks_before_it_arrives():
     # Horovod's test/integration/test_stall.py: check after 2 s, shut down after 5 s, a rank 20 s late.
     result = job(3, "stall", timeout=120)

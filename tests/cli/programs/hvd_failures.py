@@ -16,7 +16,10 @@ CASE is what rank 1 does while the others submit the op ``loss``:
   its backward, while rank 2 is in its own backward (in the gradient reduction, a collective that runs
   around the engine); rank 0 waits for an op rank 1 never submits, then calls ``broadcast_parameters``;
 * ``bound-optimizer``: rank 1 sleeps two minutes before its backward (under ``RINGTRAIN_TIMEOUT``);
-* ``exit-elastic``: an ``hvd.elastic.run`` loop in which rank 1 calls ``sys.exit(3)`` at step 2.
+* ``exit-elastic``: an ``hvd.elastic.run`` loop in which rank 1 calls ``sys.exit(3)`` at step 2;
+* ``shutdown-race``: nobody fails: a loop of small ops whose data comes with their announcements, then
+  each rank shuts down as soon as its last op is done, while rank 2's announcements reach rank 1 late
+  (rank 1 must still complete its last op, though ranks 0 and 2 have shut down).
 
 Every other rank prints one line per op: ``<op> failed: <message>`` or
 ``<op> ok``. In ``stall`` each waiting rank, once its op has failed, tells
@@ -32,6 +35,7 @@ import torch
 from mpi4py import MPI
 
 import ringtrain.torch as hvd
+from ringtrain import engine
 
 WORD = 77  # the tag of the waiting ranks' word to rank 1
 
@@ -144,6 +148,33 @@ def exit_elastic():
     train(state)
 
 
+class LateTo:
+    """A communicator whose sends to one rank leave ``delay`` seconds late (a slow link, made to order)."""
+
+    def __init__(self, comm, dest, delay):
+        self._comm, self._dest, self._delay = comm, dest, delay
+
+    def Isend(self, buf, dest, tag):  # noqa: N802 - mpi4py's name
+        if dest == self._dest:
+            time.sleep(self._delay)
+        return self._comm.Isend(buf, dest=dest, tag=tag)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+def shutdown_race():
+    if hvd.rank() == 2:
+        protocol = engine.current().engine.channels[0].protocol
+        protocol.control = LateTo(protocol.control, 1, 0.002)
+
+    def loop():
+        for step in range(12):
+            hvd.allreduce_(torch.ones(2), name=f"n{step % 2}")
+    attempt("loop", loop)
+    hvd.shutdown()
+
+
 def alone(case):
     """A loop of blocking small ops, each run alone (the engine's fast path), then rank 1 fails its next one."""
     for _ in range(20):
@@ -169,6 +200,8 @@ def main(case):
         return exit_helpers()
     if case == "exit-elastic":
         return exit_elastic()
+    if case == "shutdown-race":
+        return shutdown_race()
     if case == "bound-optimizer":
         model, optimizer = model_and_optimizer()
         return train_step(model, optimizer, pause=120 if hvd.rank() == 1 else 0)
