@@ -176,7 +176,7 @@ def allreduce_async(array, name=None, op=Average, prescale_factor=1.0, postscale
     record = _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_factor)
     if record is not None:
         engine = runtime.current().engine
-        return handles.register(engine.submit(0, _host_entry(engine, record, name, (array, out), finish)))
+        return handles.register(engine.submit(0, _host_entry(engine, record, name, array, out, finish)))
     one = _allreduce_one(op, prescale_factor, postscale_factor)
     return submit("allreduce", name, process_set, lambda: one(array, out, dtype), finish)
 
@@ -195,19 +195,20 @@ def allreduce(array, name=None, op=Average, prescale_factor=1.0, postscale_facto
         return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor, process_set, out,
                                            dtype, finish))
     engine = runtime.current().engine
-    return handles.outcome(engine.run_now(0, _host_entry(engine, record, name, (array, out), finish)))
+    return handles.outcome(engine.run_now(0, _host_entry(engine, record, name, array, out, finish)))
 
 
 def _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_factor):
     """The record of the common op, repeated step after step, if this process has built it before; else None.
 
-    The common op: a host allreduce of the global set into ``array`` itself
-    or an array like it, whose record an array like this one got after
+    The common op: a host allreduce of the global set into ``array`` itself,
+    an array like it, or a new one, whose record an array like this one got after
     passing every check. Only the building is skipped: the op is announced,
     matched, bounded and failed as every other.
     """
     if type(array) is not np.ndarray or dtype is not None or process_set is not global_process_set or not (
-            out is array or type(out) is np.ndarray and out.shape == array.shape and out.dtype == array.dtype):
+            out is array or out is None
+            or type(out) is np.ndarray and out.shape == array.shape and out.dtype == array.dtype):
         return None
     key = (array.dtype, array.shape, op, prescale_factor, postscale_factor)
     record = _HOST_RECORDS.get(key)
@@ -221,8 +222,9 @@ def _host_record(array, out, dtype, process_set, op, prescale_factor, postscale_
 _HOST_RECORDS = {}  # _RECORDS' host allreduces by the array's dtype itself (its name is slow to read)
 
 
-def _host_entry(engine, record, name, args, finish):
+def _host_entry(engine, record, name, array, out, finish):
     """The :class:`Entry` of a checked host allreduce of the global set whose record is built: :func:`submit`'s tail."""
+    args = (array, np.empty(array.shape, array.dtype) if out is None else out)
     if name is None:
         name = engine.names.next(0, "allreduce", thread_label(current_thread()))
     else:
