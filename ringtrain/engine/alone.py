@@ -36,7 +36,8 @@ ALONE_TAG = 8       # an announcement sent alone (LonePath.run_alone), raw: _ALO
 _ALONE = struct.Struct("<iiH")  # rank, record id, the key's length in bytes
 _KEY_CHARS = 0xFFFF // 4        # the longest key whose UTF-8 surely fits _ALONE's length (longer: the general path)
 _NO_RECORDS = {}    # (read only: a member no record was heard from yet)
-_KEPT_BYTES = 16 << 20  # the most buffer bytes kept for names' lone calls (then all are dropped: ever-new names)
+_KEPT_BYTES = 16 << 20  # the buffer bytes kept for lone calls (this rank's and its members'), oldest dropped first;
+                        # ever-new names or shapes would otherwise keep one each for good
 
 
 class _Peer:
@@ -45,16 +46,16 @@ class _Peer:
 
     __slots__ = ("rank", "fields", "raw", "data", "record_id", "records", "known")
 
-    def __init__(self, rank, raw, data, record_id, records, dtype):
-        data_at = len(raw) - len(data)
+    def __init__(self, rank, raw, data_at, record_id, records, dtype):
         self.rank, self.record_id, self.records = rank, record_id, records
         self.fields = bytes(raw[:_ALONE.size])
         self.raw = bytearray(len(raw))
         self.data = np.frombuffer(self.raw, dtype, offset=data_at)  # (the kernels take it as they take the array)
         self.known = records[record_id]  # their record, as their id names it now (checked each call)
 
-    def message(self, key):
-        """The announcement last received into :attr:`raw`, as :meth:`LonePath._join_general` takes one (a copy)."""
+    def as_read(self, key):
+        """The announcement last received into :attr:`raw` (checked to name ``key``), as
+        :meth:`LonePath._join_general` takes one (a copy: the buffer is received into again)."""
         return "a", (self.rank, [(key, self.record_id, None, None, memoryview(self.data.tobytes()))])
 
 
@@ -62,10 +63,11 @@ class _Lone:
     """The lone calls of one record with names of one length: this rank's announcement (``raw``; its data a view
     ``data`` like the op's array) and the members' (:class:`_Peer`, by index in the set's communicator, once heard)."""
 
-    __slots__ = ("record", "fields", "data_at", "raw", "data", "sends", "peers")
+    __slots__ = ("record", "fields", "data_at", "raw", "data", "sends", "peers", "nbytes")
 
-    def __init__(self, record, fields, length, array):
+    def __init__(self, record, fields, length, array, members):
         self.record, self.fields, self.data_at = record, fields, _aligned(_ALONE.size + length)
+        self.nbytes = (self.data_at + array.nbytes) * members  # (its buffer, and each member's once heard)
         self.peers = {}
         self.sends = []
         self._fresh(array)
@@ -79,7 +81,7 @@ class _Lone:
 
     def write(self, name, array):
         """This rank's announcement of ``array`` named ``name`` (UTF-8): :attr:`raw`, the name and data copied in."""
-        if array.dtype != self.data.dtype or array.shape != self.data.shape:  # (an equal record, another view)
+        if array.dtype != self.data.dtype:  # one record, two NumPy types (bfloat16 as uint16 with dtype=, or not)
             self._fresh(array)
             self.peers = {}
         elif self.sends:
@@ -124,7 +126,7 @@ class LonePath:
         key, record, array = entry.key, entry.record, entry.args[0]
         name = key.encode(errors="surrogatepass")  # (a name from os.fsdecode may hold lone surrogates)
         lone = self._lones.get((id(record), len(name)))
-        if lone is None or lone.record is not record:
+        if lone is None:
             lone = self._lone(record, len(name), array)
         got, read, fast = {self.rank: (array, record)}, [], []
         try:
@@ -133,12 +135,12 @@ class LonePath:
         except BaseException:  # (a Ctrl-C while waiting: the op is announced, so it must be where step finds it;
             # one that came before every member was sent it leaves the op to the stall bounds, not a name
             # stuck in flight for good)
-            self._join_general(entry, [peer.message(key) for peer in fast] + read)
+            self._join_general(entry, [peer.as_read(key) for peer in fast] + read)
             raise
         if heard:
             self._finish_alone(entry, got)
             return True
-        self._join_general(entry, [peer.message(key) for peer in fast] + read)
+        self._join_general(entry, [peer.as_read(key) for peer in fast] + read)
         return False
 
     def _send_raw(self, lone, raw):
@@ -151,13 +153,16 @@ class LonePath:
 
     def _lone(self, record, length, array):
         """A new :class:`_Lone` for calls of ``record`` with names ``length`` bytes long (its id is announced:
-        :meth:`can_run_alone`)."""
+        :meth:`can_run_alone`), kept unless it alone would take a quarter of the bound."""
         fields = _ALONE.pack(self.rank, self._record_ids[id(record)][1], length)
-        self._lone_bytes += array.nbytes * len(self.ranks)  # (its buffer, and one per member once heard)
-        if self._lone_bytes > _KEPT_BYTES:
-            self._lones.clear()
-            self._lone_bytes = array.nbytes * len(self.ranks)
-        lone = self._lones[(id(record), length)] = _Lone(record, fields, length, array)  # (it keeps record alive)
+        lone = _Lone(record, fields, length, array, len(self.ranks))
+        if lone.nbytes > _KEPT_BYTES // 4:
+            return lone
+        lones = self._lones
+        while lones and self._lone_bytes + lone.nbytes > _KEPT_BYTES:
+            self._lone_bytes -= lones.pop(next(iter(lones))).nbytes  # (the oldest: dicts keep their order)
+        self._lone_bytes += lone.nbytes
+        lones[(id(record), length)] = lone  # (it keeps record alive, so the id in the key is not reused)
         return lone
 
     def _receive_alone(self, message):
@@ -175,11 +180,11 @@ class LonePath:
         as long) and names ``name`` (the key's UTF-8) is received into that
         member's buffer and goes to ``fast``; any other message is decoded
         and goes to ``read``, as :meth:`_next_message` would have read it.
-        Stops (False) at the first
-        message that is not a member's lone announcement of the key with a
-        record equal to this rank's, after ``patience`` seconds, or as soon
-        as another op is queued here (it must be announced, and the channel's
-        thread cannot while this one drives).
+        Stops (False) at the first message that is not a member's lone
+        announcement of the key with a record equal to this rank's, after
+        ``patience`` seconds, or as soon as another op is queued here (it
+        must be announced, and the channel's thread cannot while this one
+        drives).
         """
         improbe, status, byte, peers, start = self.control.improbe, self._status, self._byte, lone.peers, None
         while True:
@@ -195,28 +200,34 @@ class LonePath:
             if status.Get_tag() != ALONE_TAG:
                 read.append(message.recv())
                 return False
+            # A member's buffer is received into only while nothing of that member's is in got: its next call's
+            # announcement may come before a third member's of this one, and must not overwrite what got holds.
             peer = peers.get(status.Get_source())
             if peer is not None and status.Get_count(byte) == len(peer.raw) and peer.rank not in got:
                 message.Recv([peer.raw, byte])
-                raw = peer.raw
-                if same_call(raw, peer.fields, name) and peer.records.get(peer.record_id) is peer.known:
+                if same_call(peer.raw, peer.fields, name) and peer.records.get(peer.record_id) is peer.known:
                     fast.append(peer)
                     got[peer.rank] = (peer.data, peer.known)
-                    if len(got) == len(self.ranks):
-                        return True
-                    continue
-                raw = bytes(raw)
-            else:
-                raw = self._receive_alone(message)
-            rank, record_id, theirs, data = parse_alone(raw)
-            read.append(("a", (rank, [(theirs.decode(errors="surrogatepass"), record_id, None, None, data)])))
-            matched = self._matching(*read[-1], key, lone.record)
-            if matched is None or rank in got:
+                elif not self._take_decoded(bytes(peer.raw), key, lone, got, read):
+                    return False
+            elif not self._take_decoded(self._receive_alone(message), key, lone, got, read):
                 return False
-            got[rank] = matched
-            peers[self._index[rank]] = _Peer(rank, raw, data, record_id, self._records[rank], lone.data.dtype)
             if len(got) == len(self.ranks):
                 return True
+
+    def _take_decoded(self, raw, key, lone, got, read):
+        """A member's lone announcement ``raw``, decoded, onto ``read``; into ``got`` (and kept as how that member's
+        begin, :class:`_Peer`) if it is of ``key`` with a record equal to this rank's and the first of its rank's
+        here: else False."""
+        rank, record_id, theirs, data = parse_alone(raw)
+        read.append(("a", (rank, [(theirs.decode(errors="surrogatepass"), record_id, None, None, data)])))
+        matched = self._matching(*read[-1], key, lone.record)
+        if matched is None or rank in got:
+            return False
+        got[rank] = matched
+        lone.peers[self._index[rank]] = _Peer(rank, raw, len(raw) - len(data), record_id, self._records[rank],
+                                              lone.data.dtype)
+        return True
 
     def _finish_alone(self, entry, got):
         """Compute ``entry`` from every member's data, with the first member's record (as the verdict picks it)."""
@@ -254,7 +265,8 @@ class LonePath:
 
 def same_call(raw, fields, name):
     """Whether the lone announcement ``raw`` begins with ``fields`` (a member's rank, record id and a name's length,
-    as its last one of a record did) and names ``name`` (UTF-8) (pure)."""
+    as its last one of a record did) and names ``name`` (UTF-8) (pure; its length, and so its data's, the
+    caller has checked: the buffer it was received into is that long)."""
     return raw.startswith(fields) and raw.startswith(name, _ALONE.size)
 
 

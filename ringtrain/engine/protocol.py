@@ -53,6 +53,7 @@ TAG = 7
 RUN = "run"
 TICK_S = 0.25       # how often a leader inspects its waiting ops (stalls, conflicts)
 PROBE_S = 1.0       # an op unmatched this long is compared with what the missing ranks submitted
+RECORD_IDS = 4096    # the most op records a rank keeps ids for (then it starts again)
 LAST_WORD_S = 1.0   # how long a set closing on a shutdown waits for its members' "g" (a rank that never drives)
 
 
@@ -98,8 +99,8 @@ class Protocol(LonePath):
         self._failed_joined = set()            # keys failed here because a rank has joined (until all have)
         self._sends = []
         self._record_ids = {}                  # id(record) -> (record, the id this rank announces it under)
-        self._lones = {}                       # key -> what its lone calls keep (alone._Lone)
-        self._lone_bytes = 0                   # (the buffers they hold, bounded)
+        self._lones = {}                       # (id(record), the name's UTF-8 length) -> what lone calls keep
+        self._lone_bytes = 0                   # (alone._Lone: the buffers they hold, bounded)
         self._next_record_id = 0
         self._records = {}                     # rank -> {id: record}
         self._leader_closed = None
@@ -211,9 +212,10 @@ class Protocol(LonePath):
         kept, record_id = self._record_ids.get(id(record), (None, None))  # one record per distinct op (ops): cheap keys
         if kept is record:
             return record_id, False
-        if len(self._record_ids) >= 4096:  # ever-new shapes: start the ids again (each is sent with its record,
-            self._record_ids.clear()       # so the members' tables of ids stay as small)
-            self._lones.clear()            # (the lone announcements hold the old ids)
+        if len(self._record_ids) >= RECORD_IDS:  # ever-new shapes: start the ids again (each is sent with its
+            self._record_ids.clear()             # record, so the members' tables of ids stay as small)
+            self._lones.clear()                  # (the lone announcements hold the old ids)
+            self._lone_bytes = 0
             self._next_record_id = 0
         self._next_record_id += 1
         self._record_ids[id(record)] = (record, self._next_record_id)  # kept alive: its id is not reused
