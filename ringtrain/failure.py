@@ -20,7 +20,12 @@ import traceback
 from .errors import UsageError
 from .io.safeio import printable
 
-__all__ = ["agree", "verdict_of", "abort_on_error", "describe"]
+__all__ = ["agree", "verdict_of", "abort_on_error", "describe", "GRAPH_FAILURE"]
+
+# How a TensorFlow graph's collective fails (ringtrain.tensorflow.mpi_ops.failure_path): TensorFlow's error
+# quotes a path made of this and the message, then "; Not a directory"; describe keeps the message alone.
+GRAPH_FAILURE = "/dev/null/ringtrain: "
+_GRAPH_FAILURE = re.compile(re.escape(GRAPH_FAILURE) + r"(.*); Not a directory")
 
 
 # A line of a message that names an exception: "RuntimeError: ...", "errors_impl.UnknownError: ...".
@@ -34,9 +39,10 @@ def describe(exc):
     line that names an exception (else its last line): TensorFlow's graph
     errors put a header first ("Graph execution error:"), then the node and
     a traceback, and the cause (the user's ``RuntimeError``, a peer's
-    failure) last but for the node markers (``[[...]]``).
+    failure) last but for the node markers (``[[...]]``). A TensorFlow
+    graph's failed collective (:data:`GRAPH_FAILURE`) keeps its message alone.
     """
-    text = str(exc)
+    text = _GRAPH_FAILURE.sub(r"\1", str(exc))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) > 1:
         rest = [line for line in lines[1:] if not line.startswith("[[")] or lines[1:]

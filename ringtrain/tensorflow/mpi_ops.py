@@ -32,7 +32,9 @@ collective; the result comes back as new tensors. The contract, as Horovod's:
   ``tf.errors.FailedPreconditionError`` on every rank, which is also a
   :class:`~ringtrain.tensorflow.collectives.HorovodInternalError`; an
   argument this rank refuses is ``tf.errors.InvalidArgumentError`` here and
-  a ``FailedPreconditionError`` on its peers.
+  a ``FailedPreconditionError`` on its peers. So in graphs too, where the
+  errors are TensorFlow's own classes: there the Python function returns
+  the failure, and a stock op raises it (:func:`failure_path`).
 
 Collective: every member of the op's process set must run the same ops in
 the same order (see :mod:`ringtrain.tensorflow.collectives`).
@@ -46,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..engine import runtime as _runtime
+from ..failure import GRAPH_FAILURE
 
 from . import collectives as engine
 from .collectives import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, add_process_set, cross_rank,
@@ -109,16 +112,61 @@ _GRAPHS = itertools.count(1)  # TF1 graphs that have had a collective built in t
 _EXECUTIONS = itertools.count(1)  # tf.function collectives run so far (they run one at a time, in program order)
 
 
-def _graph_function(run, name):
-    """The numpy_function body: the op layer's ops, named as the face chose (see the module docstring)."""
+def _graph_function(run, name, dtypes):
+    """The numpy_function body: the op layer's ops, named as the face chose (see the module docstring), then
+    the path :func:`_checked` reads (``/dev/null`` when the op succeeded; else :func:`failure_path`, and in
+    place of outputs of ``dtypes``, empty ones)."""
     runs = itertools.count(1)
 
     def body(*arrays):
         arrays = [np.asarray(a) for a in arrays]
         label = f"{name}.{next(runs)}" if name is not None else f"tf.function.{next(_EXECUTIONS)}"
         with engine.default_name(label):
-            return [np.asarray(a) for a in run(*arrays)]
+            try:
+                outputs = [np.asarray(a) for a in run(*arrays)]
+            except HorovodMismatchError as exc:
+                return [np.empty(0, d.as_numpy_dtype) for d in dtypes] + [failure_path(str(exc))]
+        return outputs + [_SUCCEEDED]
     return body
+
+
+_SUCCEEDED = np.bytes_(b"/dev/null")  # (a file every Linux has: empty to read, and takes what is written)
+
+
+def failure_path(message):
+    """A path whose read fails with ``FAILED_PRECONDITION`` and ``message`` in the error (pure).
+
+    A graph's Python function cannot fail with a status of its choosing:
+    TensorFlow makes the status from the exception's Python class alone
+    (``DoCallPyFunc``), so Horovod's ``FailedPreconditionError`` would be an
+    ``UnknownError``. Reading a path under ``/dev/null``, a file and not a
+    directory, fails with that code (``ENOTDIR``) before any file is opened,
+    and TensorFlow's error quotes the path: :data:`ringtrain.failure.GRAPH_FAILURE`,
+    then the message (cut to :data:`_MESSAGE_BYTES`: a longer path would fail
+    with another code; NUL bytes end a path, so they go).
+    """
+    text = message.replace("\0", " ").encode(errors="replace")[:_MESSAGE_BYTES].decode(errors="ignore")
+    return np.bytes_((GRAPH_FAILURE + text).encode())
+
+
+_MESSAGE_BYTES = 3072  # (Linux refuses paths of 4096 bytes and more with ENAMETOOLONG: InvalidArgumentError)
+
+
+def _checked(outputs, failure):
+    """``outputs`` of a graph's collective after a read of ``failure``: ``/dev/null`` (empty) when the op
+    succeeded, else :func:`failure_path`, whose read raises ``FailedPreconditionError``.
+
+    What is read is written back to ``/dev/null``: a stateful op that takes
+    the read as its input, so the read runs wherever the collective ran.
+    Alone, the read (stateless, its value unused) would be made a no-op by
+    TensorFlow's graph optimizer, and left out of a ``tf.function`` whose
+    result does not need it (a ``join``, a collective whose result the
+    function drops). A read every run rather than a ``tf.cond``: a cond's
+    branches are functions, which a TF1 session took minutes over in a
+    graph of many collectives.
+    """
+    with tf.control_dependencies([tf.io.write_file(_SUCCEEDED, tf.io.read_file(failure))]):
+        return [tf.identity(o) for o in outputs]
 
 
 def _graph_name(graph):
@@ -138,10 +186,10 @@ def _collective(run, inputs, dtypes, shapes=None):
     name = None if getattr(graph, "building_function", False) else _graph_name(graph)
     previous = _LAST.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.numpy_function(_graph_function(run, name), list(inputs), list(dtypes), stateful=True,
-                                    name="HorovodCollective")
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    _LAST[graph] = outputs[0].op
+        *outputs, failure = tf.numpy_function(_graph_function(run, name, dtypes), list(inputs),
+                                              list(dtypes) + [tf.string], stateful=True, name="HorovodCollective")
+        outputs = _checked(outputs, failure)
+    _LAST[graph] = outputs[0].op  # (after the check: a fetch of a later collective raises this one's failure)
     for out, shape in zip(outputs, shapes or []):
         if shape is not None:
             out.set_shape(shape)

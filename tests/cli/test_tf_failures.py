@@ -67,3 +67,22 @@ def test_a_tf1_graph_op_a_peer_never_submits_ends_the_job_within_the_bound():
     result = run(mpmd(["graph_wait"], ["idle"]), timeout=240, env=env)
     assert result.returncode != 0, show(result)
     assert "never.matched" in result.stderr and "wait returned" not in result.stdout, show(result)
+
+
+@pytest.mark.parametrize("message", ["allreduce 'x': ranks submitted different shape: (3,) and (4,)",
+                                     "a NUL \0 inside, and a name é", "long " + "x" * 6000])
+def test_a_graph_collectives_failure_is_horovods_error_and_reads_as_its_message_alone(message):
+    # One process: the path a failed collective's graph reads (mpi_ops.failure_path) must fail with
+    # FAILED_PRECONDITION whatever the message holds, and describe() must give the message back.
+    import tensorflow as tf
+
+    from ringtrain.failure import describe
+    from ringtrain.tensorflow.mpi_ops import failure_path
+
+    read = tf.function(lambda path: tf.io.read_file(path))
+    with pytest.raises(tf.errors.FailedPreconditionError) as failed:
+        read(tf.constant(failure_path(message)))
+    line = describe(failed.value)
+    kept = message.replace("\0", " ")[:2000]
+    assert line.startswith("FailedPreconditionError: ") and kept in line, line[:300]
+    assert "/dev/null" not in line and "Not a directory" not in line, line[:300]

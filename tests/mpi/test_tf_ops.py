@@ -18,6 +18,7 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed (pip 
 hvd = pytest.importorskip("ringtrain.tensorflow")
 
 import ringtrain.comm  # noqa: E402 - after the importorskip above
+import ringtrain.failure  # noqa: E402
 from ringtrain.tensorflow.collectives import communicator_of, scatter_rows  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -169,10 +170,10 @@ def test_gradients_match_tensorflow_with_horovods_scaling(mode):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", MODES)
 def test_disagreement_is_an_error_on_every_rank(mode):
-    # Eagerly the errors are Horovod's types; inside a graph TensorFlow reports a Python function's
-    # error as its own (InvalidArgumentError or UnknownError), with the message kept.
+    # Horovod's types, eagerly and inside a graph (where a Python function's own error would be an
+    # UnknownError): a disagreement is a FailedPreconditionError, a refusal an InvalidArgumentError.
     r = COMM.Get_rank()
-    mismatch = tf.errors.FailedPreconditionError if mode == "eager" else tf.errors.OpError
+    mismatch = tf.errors.FailedPreconditionError
     with pytest.raises(mismatch, match="shape"):
         _run(mode, hvd.allreduce, tf.ones([3 + r]))
     with pytest.raises(mismatch, match="dtype"):
@@ -183,6 +184,31 @@ def test_disagreement_is_an_error_on_every_rank(mode):
     else:
         with pytest.raises(mismatch, match="rank 0 refused"):
             _run(mode, hvd.alltoall, tf.ones([COMM.Get_size()]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failed_collective_whose_result_a_tf_function_drops_still_raises():
+    r = COMM.Get_rank()
+
+    @tf.function
+    def dropped(t):
+        hvd.allreduce(t, name="dropped")
+        return t + 1
+
+    with pytest.raises(tf.errors.FailedPreconditionError, match="shape") as failed:
+        dropped(tf.ones([3 + r]))
+    assert "/dev/null" not in ringtrain.failure.describe(failed.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tf1_fetch_raises_the_failure_of_a_collective_built_before_it():
+    r = COMM.Get_rank()
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        failed = hvd.allreduce(tf.ones([3 + r]))  # never fetched: the next collective runs after it
+        later = hvd.allreduce(tf.ones([2]), op=hvd.Sum)
+        with pytest.raises(tf.errors.FailedPreconditionError, match="shape"):
+            sess.run(later)
+        del failed
 
 
 @pytest.mark.mpi
