@@ -20,12 +20,14 @@ import traceback
 from .errors import UsageError
 from .io.safeio import printable
 
-__all__ = ["agree", "verdict_of", "abort_on_error", "describe", "GRAPH_FAILURE"]
+__all__ = ["agree", "verdict_of", "abort_on_error", "describe", "GRAPH_FAILURE", "GRAPH_SLASH"]
 
 # How a TensorFlow graph's collective fails (ringtrain.tensorflow.mpi_ops.failure_path): TensorFlow's error
-# quotes a path made of this and the message, then "; Not a directory"; describe keeps the message alone.
+# quotes a path made of this and the message, its slashes as GRAPH_SLASH (so that it stays one name), then
+# "; Not a directory"; describe keeps the message alone.
 GRAPH_FAILURE = "/dev/null/ringtrain: "
-_GRAPH_FAILURE = re.compile(re.escape(GRAPH_FAILURE) + r"(.*); Not a directory")
+GRAPH_SLASH = "\u2215"  # DIVISION SLASH, which looks like one
+_GRAPH_FAILURE = re.compile(re.escape(GRAPH_FAILURE) + r"(.*?); Not a directory", re.DOTALL)
 
 
 # A line of a message that names an exception: "RuntimeError: ...", "errors_impl.UnknownError: ...".
@@ -42,7 +44,7 @@ def describe(exc):
     failure) last but for the node markers (``[[...]]``). A TensorFlow
     graph's failed collective (:data:`GRAPH_FAILURE`) keeps its message alone.
     """
-    text = _GRAPH_FAILURE.sub(r"\1", str(exc))
+    text = _GRAPH_FAILURE.sub(lambda m: m.group(1).replace(GRAPH_SLASH, "/"), str(exc))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) > 1:
         rest = [line for line in lines[1:] if not line.startswith("[[")] or lines[1:]

@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..engine import runtime as _runtime
-from ..failure import GRAPH_FAILURE
+from ..failure import GRAPH_FAILURE, GRAPH_SLASH
 
 from . import collectives as engine
 from .collectives import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, add_process_set, cross_rank,
@@ -126,11 +126,11 @@ def _graph_function(run, name, dtypes):
                 outputs = [np.asarray(a) for a in run(*arrays)]
             except HorovodMismatchError as exc:
                 return [np.empty(0, d.as_numpy_dtype) for d in dtypes] + [failure_path(str(exc))]
-        return outputs + [_SUCCEEDED]
+        return outputs + [_NULL]
     return body
 
 
-_SUCCEEDED = np.bytes_(b"/dev/null")  # (a file every Linux has: empty to read, and takes what is written)
+_NULL = np.bytes_(b"/dev/null")  # (a file every Linux has: empty to read, and takes what is written)
 
 
 def failure_path(message):
@@ -142,11 +142,18 @@ def failure_path(message):
     ``UnknownError``. Reading a path under ``/dev/null``, a file and not a
     directory, fails with that code (``ENOTDIR``) before any file is opened,
     and TensorFlow's error quotes the path: :data:`ringtrain.failure.GRAPH_FAILURE`,
-    then the message (cut to :data:`_MESSAGE_BYTES`: a longer path would fail
-    with another code; NUL bytes end a path, so they go).
+    then the message as one name. TensorFlow cleans a path before it opens
+    it (``..`` taken as text), so a slash in the message, an op's name
+    ``a/../../etc/x`` for one, would read another file: each is
+    :data:`ringtrain.failure.GRAPH_SLASH` here, a slash again in
+    :func:`~ringtrain.failure.describe`. NUL bytes end a path, so they go;
+    a message past :data:`_MESSAGE_BYTES` is cut (a longer path fails with
+    another code), and ends with an ellipsis.
     """
-    text = message.replace("\0", " ").encode(errors="replace")[:_MESSAGE_BYTES].decode(errors="ignore")
-    return np.bytes_((GRAPH_FAILURE + text).encode())
+    raw = message.replace("\0", " ").replace("/", GRAPH_SLASH).encode(errors="replace")
+    if len(raw) > _MESSAGE_BYTES:
+        raw = raw[:_MESSAGE_BYTES].decode(errors="ignore").encode() + "\u2026".encode()
+    return np.bytes_(GRAPH_FAILURE.encode() + raw)
 
 
 _MESSAGE_BYTES = 3072  # (Linux refuses paths of 4096 bytes and more with ENAMETOOLONG: InvalidArgumentError)
@@ -165,7 +172,7 @@ def _checked(outputs, failure):
     branches are functions, which a TF1 session took minutes over in a
     graph of many collectives.
     """
-    with tf.control_dependencies([tf.io.write_file(_SUCCEEDED, tf.io.read_file(failure))]):
+    with tf.control_dependencies([tf.io.write_file(_NULL, tf.io.read_file(failure))]):
         return [tf.identity(o) for o in outputs]
 
 

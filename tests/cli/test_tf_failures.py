@@ -70,7 +70,8 @@ def test_a_tf1_graph_op_a_peer_never_submits_ends_the_job_within_the_bound():
 
 
 @pytest.mark.parametrize("message", ["allreduce 'x': ranks submitted different shape: (3,) and (4,)",
-                                     "a NUL \0 inside, and a name é", "long " + "x" * 6000])
+                                     "a NUL \0 inside, and a name é", "long " + "x" * 6000,
+                                     "allreduce 'a/../../../../etc/hostname': rank 1 refused it"])
 def test_a_graph_collectives_failure_is_horovods_error_and_reads_as_its_message_alone(message):
     # One process: the path a failed collective's graph reads (mpi_ops.failure_path) must fail with
     # FAILED_PRECONDITION whatever the message holds, and describe() must give the message back.
@@ -83,6 +84,6 @@ def test_a_graph_collectives_failure_is_horovods_error_and_reads_as_its_message_
     with pytest.raises(tf.errors.FailedPreconditionError) as failed:
         read(tf.constant(failure_path(message)))
     line = describe(failed.value)
-    kept = message.replace("\0", " ")[:2000]
+    kept = message.replace("\0", " ")[:2000]  # (slashes too: the read must not leave /dev/null)
     assert line.startswith("FailedPreconditionError: ") and kept in line, line[:300]
     assert "/dev/null" not in line and "Not a directory" not in line, line[:300]
