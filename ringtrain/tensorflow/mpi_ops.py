@@ -169,8 +169,8 @@ def _checked(outputs, failure):
     TensorFlow's graph optimizer, and left out of a ``tf.function`` whose
     result does not need it (a ``join``, a collective whose result the
     function drops). A read every run rather than a ``tf.cond``: a cond's
-    branches are functions, which a TF1 session took minutes over in a
-    graph of many collectives.
+    branches are functions, and a TF1 graph of many collectives, fetched
+    again and again, ran much slower with them.
     """
     with tf.control_dependencies([tf.io.write_file(_NULL, tf.io.read_file(failure))]):
         return [tf.identity(o) for o in outputs]
