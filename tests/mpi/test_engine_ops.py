@@ -18,6 +18,8 @@ from mpi4py import MPI
 from ringtrain import engine
 from ringtrain.engine.arrays import bf16_to_f32, f32_to_bf16
 
+from cli.programs.late_sends import LateTo  # (tests/ is on the path: tests/conftest.py)
+
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 
@@ -320,21 +322,6 @@ def test_a_lone_op_whose_last_announcement_is_still_on_its_way_is_not_written_ov
         np.testing.assert_array_equal(result, np.sum([e[step] for e in everyone], 0), err_msg=f"step {step}")
 
 
-class _LateTo:
-    """A communicator whose raw sends to one rank leave ``delay`` seconds late (a slow link, made to order)."""
-
-    def __init__(self, comm, dest, delay):
-        self._comm, self._dest, self._delay = comm, dest, delay
-
-    def Isend(self, buf, dest, tag):  # noqa: N802 - mpi4py's name
-        if dest == self._dest:
-            time.sleep(self._delay)
-        return self._comm.Isend(buf, dest=dest, tag=tag)
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-
 @pytest.mark.mpi
 @BLOCKING
 def test_a_members_next_lone_call_that_comes_before_a_third_members_current_one_waits_its_turn(reduce,
@@ -346,7 +333,7 @@ def test_a_members_next_lone_call_that_comes_before_a_third_members_current_one_
         pytest.skip("needs a third member whose announcement comes late")
     if RANK == SIZE - 1:
         protocol = engine.current().engine.channels[0].protocol
-        monkeypatch.setattr(protocol, "control", _LateTo(protocol.control, 1, 0.002))
+        monkeypatch.setattr(protocol, "control", LateTo(protocol.control, 1, 0.002))
     inputs = [_values((8,), step * SIZE + RANK) for step in range(60)]
     results = [reduce(a.copy(), name="next", op=engine.Sum, out=None).copy() for a in inputs]
     everyone = COMM.allgather(inputs)
