@@ -21,7 +21,13 @@ collective; the result comes back as new tensors. The contract, as Horovod's:
   place in its graph, and how many times it has run (every rank builds and
   runs the same graphs in the same order), so no run reuses the name of an
   op still in flight from an earlier graph or fetch (a refused op's name is
-  in flight until every member has heard of it).
+  in flight until every member has heard of it). An unnamed collective of a
+  ``tf.function`` is named by its process set and how many unnamed
+  ``tf.function`` collectives of that set this process has run, so a set's
+  members match them in the order each runs them, whatever the ranks
+  outside the set ran meanwhile. That order is the program's on one thread
+  only: collectives in functions that threads run at the same time need
+  names (``name=``), as Horovod's do.
 * **Gradients.** Registered as Horovod registers them: an allreduce's is the
   same allreduce of the incoming gradient; an allgather's is this rank's rows
   of the averaged gradient; a broadcast's is the averaged gradient on the
@@ -109,18 +115,20 @@ def _run(call):
 _LAST = weakref.WeakKeyDictionary()  # graph -> the last collective op built in it
 _COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> [its index among this process's graphs, collectives built]
 _GRAPHS = itertools.count(1)  # TF1 graphs that have had a collective built in them
-_EXECUTIONS = itertools.count(1)  # tf.function collectives run so far (they run one at a time, in program order)
+_RUNS = {}  # process set id -> the count of its unnamed tf.function collectives run so far (in program order)
 
 
-def _graph_function(run, name, dtypes):
+def _graph_function(run, name, dtypes, set_id=0):
     """The numpy_function body: the op layer's ops, named as the face chose (see the module docstring), then
     the path :func:`_checked` reads (``/dev/null`` when the op succeeded; else :func:`failure_path`, and in
-    place of outputs of ``dtypes``, empty ones)."""
-    runs = itertools.count(1)
+    place of outputs of ``dtypes``, empty ones). Unnamed (a tf.function's), its runs are counted with every
+    unnamed tf.function collective's on process set ``set_id``."""
+    runs = itertools.count(1) if name is not None else _RUNS.setdefault(set_id, itertools.count(1))
+    prefix = name if name is not None else "tf.function" if not set_id else f"tf.function.set{set_id}"
 
     def body(*arrays):
         arrays = [np.asarray(a) for a in arrays]
-        label = f"{name}.{next(runs)}" if name is not None else f"tf.function.{next(_EXECUTIONS)}"
+        label = f"{prefix}.{next(runs)}"
         with engine.default_name(label):
             try:
                 outputs = [np.asarray(a) for a in run(*arrays)]
@@ -185,15 +193,16 @@ def _graph_name(graph):
     return f"graph-collective.{counts[0]}.{counts[1]}"
 
 
-def _collective(run, inputs, dtypes, shapes=None):
+def _collective(run, inputs, dtypes, shapes=None, process_set=global_process_set):
     """``run(*arrays) -> [arrays]`` over ``inputs``; a list of tensors of ``dtypes`` (shapes set in graphs)."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a) for a in run(*[np.asarray(t.numpy()) for t in inputs])]
     graph = tf.compat.v1.get_default_graph()
     name = None if getattr(graph, "building_function", False) else _graph_name(graph)
+    set_id = (global_process_set if process_set is None else process_set).process_set_id
     previous = _LAST.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        *outputs, failure = tf.numpy_function(_graph_function(run, name, dtypes), list(inputs),
+        *outputs, failure = tf.numpy_function(_graph_function(run, name, dtypes, set_id), list(inputs),
                                               list(dtypes) + [tf.string], stateful=True, name="HorovodCollective")
         outputs = _checked(outputs, failure)
     _LAST[graph] = outputs[0].op  # (after the check: a fetch of a later collective raises this one's failure)
@@ -310,7 +319,7 @@ def _allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process
                                                            process_set))]
         return _finish(lambda: engine.grouped_allreduce_async(arrays, name_, op, prescale_factor, postscale_factor,
                                                               process_set))
-    return _collective(run, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
+    return _collective(run, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], process_set)
 
 
 def grouped_allreduce_op(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
@@ -347,7 +356,8 @@ def _allgather_raw(tensors, name, process_set):
         out = _finish(lambda: engine.grouped_allgather_async([_carried(a) for a in arrays],
                                                              engine.name_or_default(name), process_set))
         return [_back(o, a) for o, a in zip(out, arrays)]
-    return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors])
+    return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors],
+                       process_set)
 
 
 def _my_rows(grad, tensor, process_set):
@@ -391,7 +401,7 @@ def _broadcast_raw(tensor, root_rank, name, process_set):
         out = _finish(lambda: engine.broadcast_async(_carried(array), root_rank, engine.name_or_default(name),
                                                      process_set))
         return [_back(out, array)]
-    return _collective(run, [tensor], [tensor.dtype], [tensor.shape])[0]
+    return _collective(run, [tensor], [tensor.dtype], [tensor.shape], process_set)[0]
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -443,7 +453,7 @@ def _alltoall_raw(tensor, splits, name, process_set):
                                                               engine.name_or_default(name), process_set))
         return [_back(out, array), np.asarray(received, np.int32)]
     inputs = [tensor] + ([tf.cast(_tensor(splits), tf.int32)] if given else [])
-    return _collective(run, inputs, [tensor.dtype, tf.int32], [_tail_shape(tensor), None])
+    return _collective(run, inputs, [tensor.dtype, tf.int32], [_tail_shape(tensor), None], process_set)
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -473,7 +483,8 @@ def _reducescatter_raw(tensors, name, op, process_set, prescale_factor, postscal
     def run(*arrays):
         return _finish(lambda: engine.grouped_reducescatter_async(arrays, engine.name_or_default(name), op,
                                                                   process_set, prescale_factor, postscale_factor))
-    return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors])
+    return _collective(run, tensors, [t.dtype for t in tensors], [_tail_shape(t) for t in tensors],
+                       process_set)
 
 
 def _scatter_grad(dy, op, process_set, prescale_factor, postscale_factor):

@@ -10,6 +10,9 @@ collectives (every rank's data as constants), scaled by Horovod's convention
 for each op. Skipped where tensorflow is not installed.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -225,6 +228,48 @@ def test_tape_optimizer_and_objects():
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
     assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
     assert int(hvd.size_op().numpy()) == n and int(hvd.rank_op().numpy()) == r
+
+
+@pytest.mark.mpi
+def test_named_tf_function_collectives_of_two_threads_are_matched_by_name():
+    # Each thread runs a tf.function of its own, its collective named, at moments of its own on each rank:
+    # a run must meet the same collective's run on the other ranks, whichever thread came first.
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    ones = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="ones"))
+    hundreds = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="hundreds"))
+    got = {}
+
+    def loop(fn, value, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(20):
+                time.sleep(rng.random() * 0.004)
+                got.setdefault(value, []).append(float(fn(tf.constant([value]))[0]))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            got[value] = repr(exc)
+    threads = [threading.Thread(target=loop, args=(ones, 1.0, 2 * r)),
+               threading.Thread(target=loop, args=(hundreds, 100.0, 2 * r + 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(100)
+    assert got == {1.0: [float(n)] * 20, 100.0: [100.0 * n] * 20}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_unnamed_tf_function_collective_run_by_some_ranks_leaves_everyones_next_one_matched():
+    # Rank 0 alone runs a tf.function's unnamed collective on a set of its own; then every rank runs another
+    # tf.function's: its name must not depend on how many collectives a rank ran before.
+    n, r = COMM.Get_size(), COMM.Get_rank()
+    mine = hvd.add_process_set([0])
+    try:
+        alone = tf.function(lambda: hvd.allreduce(tf.constant([5.0]), op=hvd.Sum, process_set=mine))() \
+            if r == 0 else None
+        everyone = tf.function(lambda: hvd.allreduce(tf.constant([float(r + 1)]), op=hvd.Sum))()
+    finally:
+        hvd.remove_process_set(mine)
+    assert float(everyone[0]) == n * (n + 1) / 2
+    assert r != 0 or float(alone[0]) == 5.0
 
 
 KINDS = (tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.float16, tf.float64)  # besides float32 and bool
