@@ -19,11 +19,13 @@ import sys
 import threading
 
 from .. import backend
+from ..comm.guard import timeout_from_env
 from ..cluster.commits import elastic_start
 from ..cluster.topology import TaskSpec, node_layout
 from ..environment import env_flag
 from ..errors import UsageError
 from ..failure import verdict_of
+from ..watchdog import StartupWatchdog, Watchdog
 from .core import Engine
 from .errors import HorovodInternalError
 from .process_sets import ProcessSet, ProcessSets, bind
@@ -202,10 +204,15 @@ def init(comm=None, process_sets=None):
     with _lock:
         if _runtime is not None:
             return
-        communicator_, owned = _communicator_from(comm)
-        runtime = Runtime(communicator_, owned)
-        settings = _agreed_settings(communicator_)
-        timeline_path, mark_cycles = _rank_0_timeline(communicator_)
+        dog = _start_watch(comm)
+        try:
+            with dog.watch("hvd.init (every rank must call it)"):
+                communicator_, owned = _communicator_from(comm)
+                runtime = Runtime(communicator_, owned)
+                settings = _agreed_settings(communicator_)
+                timeline_path, mark_cycles = _rank_0_timeline(communicator_)
+        finally:
+            dog.close()
         if not runtime.threads_multiple and runtime.spec.size > 1:
             raise ValueError("ringtrain's engine needs MPI_THREAD_MULTIPLE (mpi4py's default): its engine calls MPI "
                              "from more than one thread; do not lower mpi4py.rc.thread_level")
@@ -223,6 +230,31 @@ def init(comm=None, process_sets=None):
         add_process_set(ps)
     if timeline_path is not None:
         start_timeline(timeline_path, mark_cycles)
+
+
+def _start_watch(comm):
+    """Start MPI, and a watchdog over init's collectives, at ringtrain's bound (``RINGTRAIN_TIMEOUT``; none unset).
+
+    Init waits for every rank, in ``MPI_Init`` (mpi4py's import) and in its
+    collectives; one that exited, raised or hangs before its own init would
+    hold the others there for good. Past the bound each waiting rank prints
+    one line and the job ends, as at any other op: the rank that printed none
+    never came. A bad value is left to the settings' agreement, which refuses
+    it on every rank.
+    """
+    try:
+        bound = timeout_from_env()
+    except UsageError:
+        bound = None
+    started = sys.modules.get("mpi4py.MPI")
+    if started is None or not started.Is_initialized():  # (a watcher process is forked for the wait)
+        with StartupWatchdog(bound, "hvd.init: MPI start (every rank must call it)", hint=_NEVER_CAME):
+            from mpi4py import MPI  # noqa: F401 - importing it starts MPI
+    from mpi4py import MPI
+    return Watchdog(comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD, bound, hint=_NEVER_CAME)
+
+
+_NEVER_CAME = "a rank that printed no such line never reached it: it exited, raised or hangs before it"
 
 
 def _agreed_settings(comm):

@@ -95,3 +95,31 @@ def test_a_bad_bound_in_the_environment_is_one_line_and_exit_2(tmp_path, np):
         (lambda cmd: run(mpirun_command(np, cmd), timeout=30, env=env))
     assert_refused(tmp_path, ["info"], "RINGTRAIN_TIMEOUT='soon': must be a number of seconds > 0; unset it",
                    start, lambda tmp: None)
+
+
+# A library program: the engine's init (Horovod's hvd.init), then one op, then a line saying so.
+INIT = ("import numpy as np\n"
+        "import ringtrain.engine as hvd\n"
+        "hvd.init()\n"
+        "print('op', hvd.allreduce(np.ones(2), op=hvd.Sum), flush=True)\n")
+# The rank that never calls it: it leaves before starting MPI, raises, or starts MPI and returns.
+NEVER = {"exits": "import sys; sys.exit(0)",
+         "raises": "raise RuntimeError('before hvd.init')",
+         "starts MPI and returns": "from mpi4py import MPI"}
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("never", list(NEVER))
+def test_a_rank_that_never_calls_hvd_init_ends_the_job_within_the_library_bound(np, never):
+    args = mpirun_command(np - 1, [sys.executable, "-c", INIT]) + [":", "-np", "1", sys.executable, "-c",
+                                                                     NEVER[never]]
+    began = time.monotonic()
+    result = run(args, timeout=90, env=job_env(RINGTRAIN_TIMEOUT="4"))
+    elapsed = time.monotonic() - began
+    assert result.returncode != 0 and elapsed < 25, f"{elapsed:.1f}s\n{show(result)}"
+    lines = [line for line in result.stderr.splitlines() if "did not finish within 4s" in line]
+    # Every rank that waited in init says so, naming it; the one that never came says nothing.
+    assert {line.split(":")[0] for line in lines} == {f"rank {r}" for r in range(np - 1)}, show(result)
+    assert all(line.split(": ", 1)[1].startswith("hvd.init") and "never reached it" in line for line in lines), \
+        show(result)
+    assert "op" not in result.stdout, show(result)
