@@ -29,6 +29,7 @@ import dataclasses
 import math
 import threading
 import typing
+import weakref
 
 __all__ = ["Allreduce", "Reducescatter", "Allgather", "Alltoall", "Broadcast", "Barrier", "Join", "Joined",
            "Refused", "Grouped", "Call", "Announcement", "Verdict", "Board", "Names", "thread_label", "verdict",
@@ -219,12 +220,27 @@ class Names:
 
 
 def thread_label(thread):
-    """What names the unnamed ops of ``thread`` apart (None for the main thread) (pure)."""
+    """What names the unnamed ops of ``thread`` apart (None for the main thread), fixed at its first op.
+
+    A thread's name, and, for the second and later of the live threads of
+    one name (in the order they were started), ``#k``: two threads called
+    alike would otherwise count their ops as one thread, and pair with each
+    other's across ranks. Threads started in the same order on every rank
+    get the same labels.
+    """
     if thread is threading.main_thread():
         return None
     if isinstance(thread, threading._DummyThread):  # started outside the interpreter: no name of its own
         return "foreign"
-    return thread.name
+    label = _LABELS.get(thread)
+    if label is None:
+        twins = [t for t in threading.enumerate() if t.name == thread.name]  # (in the order they started)
+        k = twins.index(thread) if thread in twins else 0
+        label = _LABELS[thread] = thread.name if k == 0 else f"{thread.name}#{k}"
+    return label
+
+
+_LABELS = weakref.WeakKeyDictionary()  # thread -> its label, fixed at its first unnamed op
 
 
 def same_value(a, b):

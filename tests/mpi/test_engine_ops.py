@@ -414,3 +414,32 @@ def test_names_that_do_not_fit_a_raw_announcement_still_reduce():
             a = _values((8,), step * SIZE + RANK)
             got = engine.synchronize(engine.allreduce_async(a.copy(), name=name, op=engine.Sum))
             np.testing.assert_array_equal(got, _everyone(a).sum(0), err_msg=f"{name[:8]} step {step}")
+
+
+@pytest.mark.mpi
+def test_two_threads_of_one_name_never_get_each_others_sums():
+    # Two live threads called alike loop unnamed blocking small allreduces, each with values of its own and
+    # at moments of its own on each rank: each result must be its own thread's sum.
+    import threading
+
+    got, ready = {}, threading.Barrier(2, timeout=60)
+
+    def loop(k):
+        rng = np.random.default_rng(10 * RANK + k)
+        ready.wait()  # (both alive before either submits)
+        try:
+            got[k] = []
+            for step in range(200):
+                if rng.random() < 0.1:
+                    time.sleep(0.001)  # (a moment's jitter, not the same on every rank)
+                got[k].append(float(engine.allreduce(np.full(4, 1000.0 * k + step, np.float32), op=engine.Sum)[0]))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            got[k] = repr(exc)
+        ready.wait()  # (and both alive until both are done)
+
+    threads = [threading.Thread(target=loop, args=(k,), name="worker") for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert got == {k: [SIZE * (1000.0 * k + step) for step in range(200)] for k in (1, 2)}

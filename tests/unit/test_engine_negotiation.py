@@ -132,6 +132,23 @@ def test_each_threads_unnamed_ops_are_named_apart_so_two_threads_never_pair():
                     "trainer": ["noname.trainer.0", "noname.trainer.1"]}
 
 
+def test_two_live_threads_of_one_name_are_labelled_apart_in_the_order_they_started():
+    labels, go, done = {}, threading.Event(), threading.Barrier(3, timeout=10)
+
+    def label(k):
+        go.wait(10)  # (every one alive while they ask)
+        labels[k] = thread_label(threading.current_thread())
+        done.wait()
+
+    threads = [threading.Thread(target=label, args=(k,), name="worker") for k in range(3)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join()
+    assert labels == {0: "worker", 1: "worker#1", 2: "worker#2"}
+
+
 def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_conflict_once_it_lingers():
     waiting = [("allreduce.x", 2.0, [1]), ("allreduce.y", 2.0, [1]), ("allreduce.z", 0.1, [1])]
     reports = {1: [(0, "allgather.x", 5.0), (3, "allreduce.y", 6.0), (0, "allgather.z", 7.0)]}
