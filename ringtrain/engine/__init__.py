@@ -28,9 +28,10 @@ Example (two ranks; ``mpirun -np 2 python script.py``)::
 """
 
 from .errors import CollectiveMismatchError, DuplicateNameError, HorovodInternalError, HostsUpdatedInterrupt
-from .ops import (allgather_async, allreduce, allreduce_async, alltoall_async, barrier, broadcast_async,
-                  grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async, join, poll,
-                  reducescatter_async, refused, start_timeline, stop_timeline, synchronize)
+from .ops import (allgather_async, allgather_object, allreduce, allreduce_async, alltoall_async, barrier,
+                  broadcast_async, broadcast_object, grouped_allgather_async, grouped_allreduce_async,
+                  grouped_reducescatter_async, join, poll, reducescatter_async, refused, start_timeline,
+                  stop_timeline, synchronize)
 from .process_sets import ProcessSet, communicator_of, global_process_set, included, set_rank
 from .reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from .runtime import (add_process_set, ccl_built, communicator, cross_rank, cross_size, cuda_built, current,
@@ -46,4 +47,5 @@ __all__ = ["CollectiveMismatchError", "DuplicateNameError", "HorovodInternalErro
            "Product", "Sum", "cross_rank", "cross_size", "current", "helper", "init", "is_homogeneous",
            "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size", "communicator_of", "included",
            "set_rank", "ccl_built", "communicator", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
-           "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built"]
+           "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "broadcast_object",
+           "allgather_object"]

@@ -17,23 +17,26 @@ thread (to hand back the face's tensor, for example). ``dtype="bfloat16"``
 says a 16-bit integer array holds bfloat16 bits (NumPy has no bfloat16).
 """
 
+import pickle
 from threading import current_thread
 
 import numpy as np
 
+from ..comm import allreduce_, broadcast_
 from . import arrays, handles, runtime
 from .handles import Entry
 from .handles import poll, synchronize
 from .negotiation import (JOIN, Allgather, Allreduce, Alltoall, Barrier, Broadcast, Grouped, Join, Reducescatter,
                           op_key, thread_label)
-from .process_sets import global_process_set
+from .process_sets import communicator_of, global_process_set, set_rank
 from .reduce_ops import Average, op_name
 # Horovod's timeline calls live beside init (which starts one for HOROVOD_TIMELINE) and shutdown (which writes it).
 from .runtime import start_timeline, stop_timeline
 
 __all__ = ["allreduce", "allreduce_async", "grouped_allreduce_async", "allgather_async", "grouped_allgather_async",
            "broadcast_async", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "barrier",
-           "join", "poll", "synchronize", "refused", "alltoall_splits", "start_timeline", "stop_timeline"]
+           "join", "poll", "synchronize", "refused", "alltoall_splits", "start_timeline", "stop_timeline",
+           "broadcast_object", "allgather_object"]
 
 # An allreduce or broadcast up to RINGTRAIN_HVD_LOCAL_BYTES of CPU data travels with its announcements and is
 # computed on every rank.
@@ -368,3 +371,46 @@ def barrier(process_set=global_process_set):
 
 
 _JOIN, _BARRIER = Join(), Barrier()
+
+
+# Objects: pickled, their bytes moved by the library's header-checked collectives on the set's communicator
+# (ranks that disagree on the root or the call raise on every rank), watched as the engine watches helpers.
+
+def broadcast_object(obj, root_rank=0, process_set=global_process_set):
+    """``root_rank``'s ``obj`` on every member of the set, pickled (collective over the set).
+
+    ``root_rank`` is a rank of the whole job, as in Horovod (ValueError on every member for one outside the
+    set); ranks that name different roots raise on every member.
+    """
+    comm = communicator_of(process_set)
+    with runtime.helper("broadcast_object"):
+        root = set_rank(process_set, root_rank)
+        mine = comm.Get_rank() == root
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
+        length = np.array([len(data)], np.int64)
+        broadcast_(length, root=root, comm=comm)
+        words = np.zeros(-(-int(length[0]) // 8), np.int64)
+        if mine:
+            words.view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+        broadcast_(words, root=root, comm=comm)
+    return obj if mine else pickle.loads(words.view(np.uint8)[: int(length[0])].tobytes())
+
+
+def allgather_object(obj, process_set=global_process_set):
+    """Every member's ``obj``, in the set's rank order, pickled (collective over the set)."""
+    comm = communicator_of(process_set)
+    with runtime.helper("allgather_object"):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        lengths = np.zeros(size, np.int64)
+        lengths[rank] = len(data)
+        allreduce_(lengths, op="sum", comm=comm)
+        # Each rank's bytes in its own 8-byte-aligned slot, zeros elsewhere: a sum of the slots is an exact
+        # gather, through the same header-checked allreduce as everything else.
+        slots = -(-lengths // 8)
+        starts = np.concatenate([[0], np.cumsum(slots)])
+        words = np.zeros(int(starts[-1]), np.int64)
+        words[starts[rank]: starts[rank + 1]].view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+        allreduce_(words, op="sum", comm=comm)
+    return [pickle.loads(words[starts[r]: starts[r + 1]].view(np.uint8)[: int(lengths[r])].tobytes())
+            for r in range(size)]

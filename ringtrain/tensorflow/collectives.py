@@ -3,18 +3,16 @@
 The face (:mod:`ringtrain.tensorflow.mpi_ops`) turns tensors into NumPy
 arrays and calls the engine shared with ``ringtrain.torch`` through this
 module only: the runtime (``init``, the rank family), process sets, the
-``*_async`` ops and ``synchronize``, ``barrier``, ``join``, ``helper`` and
-the failure model (:mod:`ringtrain.engine.core`'s docstring is the
-contract). What the TensorFlow face adds here:
+``*_async`` ops and ``synchronize``, ``barrier``, ``join``, the object
+helpers (``broadcast_object``, ``allgather_object``) and the failure model
+(:mod:`ringtrain.engine.core`'s docstring is the contract). What the
+TensorFlow face adds here:
 
 * :func:`default_name`: ops submitted from a graph's Python function carry
   the name the face chose when it built the graph (the n-th collective of
-  a TF1 graph, or of the executions of ``tf.function`` collectives), since
+  a TF1 graph, or of a process set's ``tf.function`` collectives), since
   TensorFlow runs them on its own threads, whose unnamed counters would not
   match across ranks;
-* :func:`call`: a helper made of plain collectives on the set's
-  communicator (``broadcast_object``), watched as the engine watches its
-  helpers;
 * :func:`process_set_by_id` and :func:`scatter_rows`, pure look-ups.
 
 Collective: as the engine's contract says, every member of an op's
@@ -25,19 +23,21 @@ import contextlib
 import threading
 
 from ..engine import (Adasum, Average, CollectiveMismatchError, HorovodInternalError, Max, Min, Product,
-                      ProcessSet, Sum, add_process_set, allgather_async, allreduce, allreduce_async, alltoall_async,
-                      barrier, broadcast_async, communicator_of, cross_rank, cross_size, current,
-                      global_process_set, grouped_allgather_async, grouped_allreduce_async,
-                      grouped_reducescatter_async, helper, init, is_homogeneous, is_initialized, join, local_rank,
-                      local_size, poll, rank, reducescatter_async, remove_process_set, shutdown, size, synchronize)
+                      ProcessSet, Sum, add_process_set, allgather_async, allgather_object, allreduce,
+                      allreduce_async, alltoall_async, barrier, broadcast_async, broadcast_object, communicator_of,
+                      cross_rank, cross_size, current, global_process_set, grouped_allgather_async,
+                      grouped_allreduce_async, grouped_reducescatter_async, init, is_homogeneous, is_initialized,
+                      join, local_rank, local_size, poll, rank, reducescatter_async, remove_process_set, shutdown,
+                      size, synchronize)
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "CollectiveMismatchError",
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init", "shutdown",
            "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
            "is_homogeneous", "allreduce", "allreduce_async", "grouped_allreduce_async", "allgather_async",
            "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
-           "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "helper", "scatter_rows",
-           "communicator_of", "process_set_by_id", "call", "default_name", "name_or_default"]
+           "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "scatter_rows",
+           "communicator_of", "process_set_by_id", "default_name", "name_or_default", "broadcast_object",
+           "allgather_object"]
 
 _local = threading.local()
 
@@ -63,18 +63,6 @@ def process_set_by_id(set_id):
     if ps is None:
         raise ValueError(f"process set {set_id} is not registered; call hvd.add_process_set() first")
     return ps
-
-
-def call(label, process_set, run):
-    """``run(comm)`` on the set's communicator for Horovod's helpers, watched by the engine (collective).
-
-    A helper called once the engine is broken raises ``HorovodInternalError``
-    at once; one stuck in MPI after a peer has gone ends the job (the
-    engine's helper rule).
-    """
-    comm = communicator_of(process_set)
-    with helper(label):
-        return run(comm)
 
 
 def scatter_rows(rows, nranks):

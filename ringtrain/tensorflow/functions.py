@@ -2,15 +2,14 @@
 
 Every function here is collective over its process set (default: every
 rank): every member must call the same functions in the same order. The
-object helpers pickle on the caller's thread and move the bytes with plain
-collectives on the set's communicator, after the members agree on what they
-run (:func:`~ringtrain.tensorflow.collectives.call`); ``broadcast_variables``
-goes through the ops, so it works eagerly and inside ``tf.function``.
+object helpers are the engine's (shared with ``ringtrain.torch``): pickled
+on the caller's thread, their bytes moved by ringtrain's header-checked
+collectives, so members that disagree (another root, one call more) raise
+instead of taking the wrong object; ``broadcast_variables`` goes through
+the ops, so it works eagerly and inside ``tf.function``.
 """
 
-import pickle
 
-import numpy as np
 import tensorflow as tf
 
 from . import collectives as engine
@@ -47,26 +46,9 @@ def broadcast_global_variables(root_rank):
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def _set_root(process_set, root_rank):
-    ranks = list((global_process_set if process_set is None else process_set).ranks)
-    if root_rank not in ranks:
-        raise ValueError(f"root_rank {root_rank} is not in the process set (ranks {ranks})")
-    return ranks.index(root_rank)
-
-
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``obj`` on every member, pickled (collective; ``session``, ``name`` accepted)."""
-    root = _set_root(process_set, root_rank)
-
-    def run(comm):
-        mine = comm.Get_rank() == root
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
-        length = np.array([len(data)], np.int64)
-        comm.Bcast(length, root=root)
-        buffer = np.frombuffer(data, np.uint8).copy() if mine else np.empty(int(length[0]), np.uint8)
-        comm.Bcast(buffer, root=root)
-        return obj if mine else pickle.loads(buffer.tobytes())
-    return engine.call("broadcast_object", process_set, run)
+    return engine.broadcast_object(obj, root_rank, process_set)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -78,11 +60,4 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every member's ``obj``, in rank order, pickled (collective; ``session``, ``name`` accepted)."""
-    def run(comm):
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        lengths = np.array(comm.allgather(len(data)), np.int64)
-        everyone = np.empty(int(lengths.sum()), np.uint8)
-        comm.Allgatherv(data, [everyone, lengths.tolist()])
-        starts = np.concatenate([[0], np.cumsum(lengths)])
-        return [pickle.loads(everyone[starts[r]:starts[r + 1]].tobytes()) for r in range(len(lengths))]
-    return engine.call("allgather_object", process_set, run)
+    return engine.allgather_object(obj, process_set)

@@ -14,12 +14,10 @@ The typical start of a Horovod script::
 
 import collections
 import functools
-import pickle
 
-import numpy as np
 import torch
 
-from ..comm import allreduce_, broadcast_
+from ..engine import ops
 from ..engine import process_sets as scope
 from ..engine import runtime
 from ..engine.errors import CollectiveMismatchError
@@ -73,42 +71,14 @@ def broadcast_parameters(params, root_rank=0, process_set=None):
     broadcast_tensors_(tensors, root=scope.set_rank(process_set, root_rank), comm=_comm(process_set))
 
 
-@_helper
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Return ``root_rank``'s ``obj`` on every rank, pickled (collective; ``name`` is accepted for Horovod)."""
-    comm = _comm(process_set)
-    root_rank = scope.set_rank(process_set, root_rank)
-    mine = comm.Get_rank() == root_rank
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
-    length = np.array([len(data)], np.int64)
-    broadcast_(length, root=root_rank, comm=comm)
-    words = np.zeros(-(-int(length[0]) // 8), np.int64)
-    if mine:
-        words.view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
-    broadcast_(words, root=root_rank, comm=comm)
-    if mine:
-        return obj
-    return pickle.loads(words.view(np.uint8)[: int(length[0])].tobytes())
+    return ops.broadcast_object(obj, root_rank, process_set)
 
 
-@_helper
 def allgather_object(obj, name=None, process_set=None):
     """Return every rank's ``obj``, in rank order, pickled (collective; ``name`` is accepted for Horovod)."""
-    comm = _comm(process_set)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    lengths = np.zeros(size, np.int64)
-    lengths[rank] = len(data)
-    allreduce_(lengths, op="sum", comm=comm)
-    # Each rank's bytes in its own 8-byte-aligned slot, zeros elsewhere: a sum of the slots is
-    # an exact gather, through the same header-checked allreduce as everything else.
-    slots = -(-lengths // 8)
-    starts = np.concatenate([[0], np.cumsum(slots)])
-    words = np.zeros(int(starts[-1]), np.int64)
-    words[starts[rank]: starts[rank + 1]].view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
-    allreduce_(words, op="sum", comm=comm)
-    return [pickle.loads(words[starts[r]: starts[r + 1]].view(np.uint8)[: int(lengths[r])].tobytes())
-            for r in range(size)]
+    return ops.allgather_object(obj, process_set)
 
 
 @_helper

@@ -443,3 +443,20 @@ def test_two_threads_of_one_name_never_get_each_others_sums():
     for t in threads:
         t.join(100)
     assert got == {k: [SIZE * (1000.0 * k + step) for step in range(200)] for k in (1, 2)}
+
+
+@pytest.mark.mpi
+def test_objects_are_broadcast_and_gathered_and_ranks_naming_different_roots_fail_on_every_rank():
+    got = engine.broadcast_object({"from": RANK, "pad": "x" * (RANK * 13)}, root_rank=SIZE - 1)
+    everyone = engine.allgather_object(("rank", RANK, "y" * RANK))
+    failed = None
+    if SIZE > 1:
+        try:
+            engine.broadcast_object(RANK, root_rank=RANK % 2)  # (rank 0 names itself, rank 1 itself)
+        except Exception as exc:  # noqa: BLE001 - its kind is checked below
+            failed = exc
+    after = engine.broadcast_object(RANK + 100, root_rank=0)
+    assert got == {"from": SIZE - 1, "pad": "x" * ((SIZE - 1) * 13)}
+    assert everyone == [("rank", r, "y" * r) for r in range(SIZE)]
+    assert SIZE == 1 or (failed is not None and "root" in str(failed)), repr(failed)
+    assert after == 100
