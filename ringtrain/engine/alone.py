@@ -235,7 +235,7 @@ class LonePath:
         try:
             result = kernels.reduce_locally(record, [got[r][0] for r in self.ranks], entry.args[1])
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-            self._complete(entry, error=as_runtime_error(exc))
+            self._complete(entry, error=as_runtime_error(exc, entry.label))
         else:
             self._complete(entry, result)
         if self._sends:
@@ -282,6 +282,7 @@ def _aligned(offset):
     return -(-offset // 8) * 8
 
 
-def as_runtime_error(exc):
-    """``exc`` as the error a caller gets from ``synchronize``: a RuntimeError as it is, else HorovodInternalError."""
-    return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{type(exc).__name__}: {exc}")
+def as_runtime_error(exc, label):
+    """``exc``, raised running op ``label``, as the error a caller gets from ``synchronize``: a RuntimeError as
+    it is, else a HorovodInternalError naming the op."""
+    return exc if isinstance(exc, RuntimeError) else HorovodInternalError(f"{label}: {type(exc).__name__}: {exc}")

@@ -64,6 +64,8 @@ def refused(kind, problem, name=None, process_set=global_process_set):
     engine = runtime.current().engine
     set_id = _set_id(process_set, kind)
     engine.refuse(kind, problem, set_id, None if name is None else str(name))
+    if name is not None and problem.startswith(kind + ":"):  # (the members' error names it: so does this one)
+        problem = f"{kind} {str(name)!r}{problem[len(kind):]}"
     return ValueError(problem)
 
 

@@ -455,7 +455,7 @@ class Protocol(LonePath):
                     with timeline.span(entry.label + " (local)", tid=1):
                         result = kernels.run_local(v.record, data, out)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-                self._complete(entry, error=as_runtime_error(exc))
+                self._complete(entry, error=as_runtime_error(exc, entry.label))
             else:
                 self._complete(entry, result)
         self._done(key, now)
@@ -543,7 +543,7 @@ class Protocol(LonePath):
             try:
                 result = self.engine.run_call(decision.record, entry.args, self.data)
             except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
-                return self._complete(entry, error=as_runtime_error(exc))
+                return self._complete(entry, error=as_runtime_error(exc, entry.label))
             return self._complete(entry, result)
         timeline = self.engine.timeline
         try:
@@ -555,7 +555,7 @@ class Protocol(LonePath):
                     results = kernels.run(entry.kind, self.data, group)
         except Exception as exc:  # noqa: BLE001 - the caller gets it from synchronize
             for _, e in group:
-                self._complete(e, error=as_runtime_error(exc))
+                self._complete(e, error=as_runtime_error(exc, e.label))
             return
         for (_, e), result in zip(group, results):
             self._complete(e, result)
