@@ -460,3 +460,12 @@ def test_objects_are_broadcast_and_gathered_and_ranks_naming_different_roots_fai
     assert everyone == [("rank", r, "y" * r) for r in range(SIZE)]
     assert SIZE == 1 or (failed is not None and "root" in str(failed)), repr(failed)
     assert after == 100
+
+
+@pytest.mark.mpi
+def test_an_op_that_fails_while_it_runs_names_the_op_on_every_rank():
+    out = np.zeros(4, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(engine.HorovodInternalError, match=r"allreduce 'ro': ValueError: .*read-only"):
+        engine.allreduce(np.ones(4, np.float32), name="ro", op=engine.Sum, out=out)
+    np.testing.assert_array_equal(engine.allreduce(np.ones(2), name="after", op=engine.Sum), np.full(2, SIZE))
