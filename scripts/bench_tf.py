@@ -4,7 +4,9 @@ One launch (under mpirun) times three ways of the same 4 KiB float32 sum,
 interleaved: the face's ``hvd.allreduce`` of a tensor, the engine's own op
 on the NumPy array (``ringtrain.engine.allreduce``, the blocking call the
 face makes: the difference is the face's), and the library's
-``ringtrain.allreduce_``. Rounds of CALLS calls of each, each batch started
+``ringtrain.allreduce_``; and, beside them, one eager TensorFlow op on the
+same tensor (``tf.identity``, no communication: what dispatching any eager
+op costs, and so what an op written as a TensorFlow kernel would pay). Rounds of CALLS calls of each, each batch started
 after a barrier; the per-call time of a round is the slowest rank's, and
 the launch prints the medians over rounds, the ratios to the library's and
 the load average (before and after) as one JSON line::
@@ -47,7 +49,8 @@ def one_launch(nbytes, calls, rounds):
     y = x.copy()
     under = lambda: engine.allreduce(y, op=hvd.Sum, out=y)  # noqa: E731
     library = lambda: ringtrain.allreduce_(x, op="sum")  # noqa: E731
-    ways = {"hvd.allreduce": face, "engine": under, "ringtrain.allreduce_": library}
+    one_op = lambda: tf.identity(t)  # noqa: E731 - what any eager TensorFlow op costs, collective or not
+    ways = {"hvd.allreduce": face, "engine": under, "ringtrain.allreduce_": library, "tf.identity": one_op}
     for fn in ways.values():  # warm every path
         fn()
     load = os.getloadavg()[0]
@@ -62,6 +65,7 @@ def one_launch(nbytes, calls, rounds):
                           "median_us": {k: round(v, 2) for k, v in medians.items()},
                           "ratio": round(medians["hvd.allreduce"] / library_us, 2),
                           "engine_ratio": round(medians["engine"] / library_us, 2),
+                          "tf_op_ratio": round(medians["tf.identity"] / library_us, 2),
                           "load": [round(load, 2), round(os.getloadavg()[0], 2)]}), flush=True)
 
 

@@ -4,7 +4,8 @@
                                                    # ringtrain.torch, DDP-gloo, Horovod at 2 ranks: MLP, CNN,
                                                    # ResNet, then allreduce_async_+synchronize at 4 KiB and 4 MiB
     python scripts/bench_torch.py --suite small-ops  # a 4 KiB op through ringtrain.torch's engine against a
-                                                   # direct ringtrain.allreduce_; reducescatter against allreduce
+                                                   # direct ringtrain.allreduce_ and the engine's MPI steps
+                                                   # alone; reducescatter against allreduce
     python scripts/bench_torch.py --model cnn      # the CNN, every contestant at 1 and 2 ranks, 3 repeats
     python scripts/bench_torch.py                  # the MLP
     python scripts/bench_torch.py --repeats 5 --ranks 1,2 --only ddp-gloo,ringtrain-adapter
@@ -348,6 +349,7 @@ def small_ops_worker(rounds):
     big_in_place = torch.ones(SCATTER_BYTES // 4)
     small = {
         "ringtrain.allreduce_": lambda: ringtrain.allreduce_(array, op="mean", comm=comm),
+        "its messages alone (floor)": _messages_alone(comm, array),
         "hvd.allreduce_async_+synchronize": lambda: hvd.synchronize(hvd.allreduce_async_(tensor, name="async")),
         "hvd.allreduce_": lambda: hvd.allreduce_(tensor, name="blocking"),
     }
@@ -377,6 +379,51 @@ def small_ops_worker(rounds):
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps({name: statistics.median(t) for name, t in times.items()}), flush=True)
         print("CALLS " + json.dumps(calls), flush=True)
+
+
+def _messages_alone(comm, array):
+    """A mean of ``array`` by the MPI steps of the engine's lone lane and nothing else: the lane's floor.
+
+    Each call writes a header and the data into one buffer, sends it to every
+    other rank (``Isend``), probes for and receives each peer's (``improbe``,
+    ``Recv``), compares the peer's header bytes, adds and divides, and waits
+    for its sends: what any small op that carries its data with its
+    announcement must do, without a name, a record, a lock, a check or a
+    fallback. On a communicator of its own, so no message meets the engine's.
+    """
+    import numpy as np
+    from mpi4py import MPI
+
+    own = comm.Dup()
+    rank, size = own.Get_rank(), own.Get_size()
+    peers = [r for r in range(size) if r != rank]
+    header = 16  # (the lone lane's fields and a short name, rounded up to its data's alignment)
+    mine = bytearray(header + array.nbytes)
+    mine[:header] = b"op.%d" % rank + bytes(header - len(b"op.%d" % rank))
+    data = np.frombuffer(mine, array.dtype, offset=header)
+    theirs = {p: bytearray(len(mine)) for p in peers}
+    expected = {p: b"op.%d" % p for p in peers}
+    their_data = [np.frombuffer(theirs[p], array.dtype, offset=header) for p in peers]
+    out, status, byte, divisor = np.empty_like(array), MPI.Status(), MPI.BYTE, array.dtype.type(size)
+
+    def exchange():
+        np.copyto(data, array)
+        sends = [own.Isend([mine, byte], dest=p, tag=8) for p in peers]
+        for _ in peers:
+            message = own.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            while message is None:
+                message = own.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            source = status.Get_source()
+            message.Recv([theirs[source], byte])
+            if not theirs[source].startswith(expected[source]):
+                raise RuntimeError(f"rank {source} sent another op")
+        np.add(data, their_data[0], out=out)
+        for other in their_data[1:]:
+            np.add(out, other, out=out)
+        np.divide(out, divisor, out=out)
+        MPI.Request.Waitall(sends)
+        return out
+    return exchange
 
 
 def _python_calls(fn, comm, ops=50):
@@ -429,8 +476,9 @@ def small_ops_suite(args):
     if counts:
         print("Python calls of one 4 KiB op on rank 0's thread (the fewest of 50): " + ", ".join(
             f"{name} {n:.0f}" for name, n in json.loads(counts[len("CALLS "):]).items()))
-    print(f"(4 KiB ops against ringtrain.allreduce_ of the same bytes; the 4 MiB ops against hvd.allreduce of the "
-          f"same tensor into a new one, as reducescatter's result is)\n{_uptime()} (after)")
+    print(f"(4 KiB ops against ringtrain.allreduce_ of the same bytes, and the floor: the MPI steps of the engine's "
+          f"lone lane alone, on the same bytes; the 4 MiB ops against hvd.allreduce of the same tensor into a new "
+          f"one, as reducescatter's result is)\n{_uptime()} (after)")
     return 0
 
 
