@@ -225,8 +225,11 @@ def thread_label(thread):
     A thread's name, and, for the second and later of the live threads of
     one name (in the order they were started), ``#k``: two threads called
     alike would otherwise count their ops as one thread, and pair with each
-    other's across ranks. Threads started in the same order on every rank
-    get the same labels.
+    other's across ranks. No label a live thread holds is given again.
+    Threads started in the same order, and alive together, on every rank get
+    the same labels; where a twin ended on one rank and not on another before
+    a thread's first op, the labels differ and the ops wait for each other
+    (the stall inspector and the bound see to them), never pairing wrongly.
     """
     if thread is threading.main_thread():
         return None
@@ -236,7 +239,10 @@ def thread_label(thread):
     if label is None:
         twins = [t for t in threading.enumerate() if t.name == thread.name]  # (in the order they started)
         k = twins.index(thread) if thread in twins else 0
-        label = _LABELS[thread] = thread.name if k == 0 else f"{thread.name}#{k}"
+        held = {held for t, held in list(_LABELS.items()) if t is not thread and t.is_alive()}
+        while (label := thread.name if k == 0 else f"{thread.name}#{k}") in held:
+            k += 1  # (a twin that ended left its place to one started later: never share a live thread's count)
+        _LABELS[thread] = label
     return label
 
 

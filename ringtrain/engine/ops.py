@@ -17,13 +17,16 @@ thread (to hand back the face's tensor, for example). ``dtype="bfloat16"``
 says a 16-bit integer array holds bfloat16 bits (NumPy has no bfloat16).
 """
 
+import contextlib
 import pickle
 from threading import current_thread
 
 import numpy as np
 
 from ..comm import allreduce_, broadcast_
+from ..errors import MismatchError, UsageError
 from . import arrays, handles, runtime
+from .errors import CollectiveMismatchError
 from .handles import Entry
 from .handles import poll, synchronize
 from .negotiation import (JOIN, Allgather, Allreduce, Alltoall, Barrier, Broadcast, Grouped, Join, Reducescatter,
@@ -382,10 +385,10 @@ def broadcast_object(obj, root_rank=0, process_set=global_process_set):
     """``root_rank``'s ``obj`` on every member of the set, pickled (collective over the set).
 
     ``root_rank`` is a rank of the whole job, as in Horovod (ValueError on every member for one outside the
-    set); ranks that name different roots raise on every member.
+    set); ranks that name different roots raise :class:`CollectiveMismatchError` on every member.
     """
-    comm = communicator_of(process_set)
-    with runtime.helper("broadcast_object"):
+    with runtime.helper("broadcast_object"), _as_mismatch("broadcast_object"):
+        comm = communicator_of(process_set)
         root = set_rank(process_set, root_rank)
         mine = comm.Get_rank() == root
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
@@ -400,8 +403,8 @@ def broadcast_object(obj, root_rank=0, process_set=global_process_set):
 
 def allgather_object(obj, process_set=global_process_set):
     """Every member's ``obj``, in the set's rank order, pickled (collective over the set)."""
-    comm = communicator_of(process_set)
-    with runtime.helper("allgather_object"):
+    with runtime.helper("allgather_object"), _as_mismatch("allgather_object"):
+        comm = communicator_of(process_set)
         rank, size = comm.Get_rank(), comm.Get_size()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         lengths = np.zeros(size, np.int64)
@@ -416,3 +419,15 @@ def allgather_object(obj, process_set=global_process_set):
         allreduce_(words, op="sum", comm=comm)
     return [pickle.loads(words[starts[r]: starts[r + 1]].view(np.uint8)[: int(lengths[r])].tobytes())
             for r in range(size)]
+
+
+@contextlib.contextmanager
+def _as_mismatch(label):
+    """The library's errors as the engine's: ranks that disagreed (MismatchError) raise the engine's
+    :class:`CollectiveMismatchError`, a value every rank refused a ValueError, as the faces' callers expect."""
+    try:
+        yield
+    except MismatchError as exc:
+        raise CollectiveMismatchError(f"{label}: {exc}") from None
+    except UsageError as exc:
+        raise ValueError(f"{label}: {exc}") from None

@@ -115,7 +115,7 @@ def _run(call):
 _LAST = weakref.WeakKeyDictionary()  # graph -> the last collective op built in it
 _COUNTS = weakref.WeakKeyDictionary()  # TF1 graph -> [its index among this process's graphs, collectives built]
 _GRAPHS = itertools.count(1)  # TF1 graphs that have had a collective built in them
-_RUNS = {}  # process set id -> the count of its unnamed tf.function collectives run so far (in program order)
+_RUNS = weakref.WeakKeyDictionary()  # runtime -> {process set id: its unnamed tf.function collectives run so far}
 
 
 def _graph_function(run, name, dtypes, set_id=0):
@@ -123,12 +123,12 @@ def _graph_function(run, name, dtypes, set_id=0):
     the path :func:`_checked` reads (``/dev/null`` when the op succeeded; else :func:`failure_path`, and in
     place of outputs of ``dtypes``, empty ones). Unnamed (a tf.function's), its runs are counted with every
     unnamed tf.function collective's on process set ``set_id``."""
-    runs = itertools.count(1) if name is not None else _RUNS.setdefault(set_id, itertools.count(1))
+    runs = itertools.count(1)
     prefix = name if name is not None else "tf.function" if not set_id else f"tf.function.set{set_id}"
 
     def body(*arrays):
         arrays = [np.asarray(a) for a in arrays]
-        label = f"{prefix}.{next(runs)}"
+        label = f"{prefix}.{next(runs if name is not None else _runs_of(set_id))}"
         with engine.default_name(label):
             try:
                 outputs = [np.asarray(a) for a in run(*arrays)]
@@ -136,6 +136,15 @@ def _graph_function(run, name, dtypes, set_id=0):
                 return [np.empty(0, d.as_numpy_dtype) for d in dtypes] + [failure_path(str(exc))]
         return outputs + [_NULL]
     return body
+
+
+def _runs_of(set_id):
+    """The count of this runtime's unnamed tf.function collectives on set ``set_id`` (a new ``init``, after an
+    elastic reset, counts afresh on every rank, as a worker that just joined does)."""
+    counts = _RUNS.get(_runtime.current())
+    if counts is None:
+        counts = _RUNS[_runtime.current()] = {}
+    return counts.setdefault(set_id, itertools.count(1))
 
 
 _NULL = np.bytes_(b"/dev/null")  # (a file every Linux has: empty to read, and takes what is written)

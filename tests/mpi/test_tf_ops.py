@@ -226,6 +226,9 @@ def test_tape_optimizer_and_objects():
     grads = hvd.DistributedGradientTape(tape).gradient(loss, [w])
     np.testing.assert_allclose(grads[0].numpy(), np.full(3, (n + 1) / 2))
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
+    if n > 1:  # ranks that name different roots: Horovod's error on every rank
+        with pytest.raises(tf.errors.FailedPreconditionError, match="root"):
+            hvd.broadcast_object(r, root_rank=r % 2)
     assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
     assert int(hvd.size_op().numpy()) == n and int(hvd.rank_op().numpy()) == r
 

@@ -149,6 +149,26 @@ def test_two_live_threads_of_one_name_are_labelled_apart_in_the_order_they_start
     assert labels == {0: "worker", 1: "worker#1", 2: "worker#2"}
 
 
+def test_a_thread_started_after_its_twin_ended_never_takes_a_live_threads_label():
+    labels, both, hold = {}, threading.Barrier(2, timeout=10), threading.Event()
+
+    def label(k):
+        if k < 2:
+            both.wait()  # (the first two alive together when they ask)
+        labels[k] = thread_label(threading.current_thread())
+        if k == 1:
+            hold.wait(10)
+
+    first, second = (threading.Thread(target=label, args=(k,), name="w") for k in (0, 1))
+    first.start(), second.start()
+    first.join()  # ("w" has ended; "w#1" lives on)
+    third = threading.Thread(target=label, args=(2,), name="w")
+    third.start(), third.join()
+    hold.set()
+    second.join()
+    assert labels[0] == "w" and labels[1] == "w#1" and labels[2] != "w#1", labels
+
+
 def test_an_op_a_missing_rank_submitted_as_another_kind_or_on_another_set_is_a_conflict_once_it_lingers():
     waiting = [("allreduce.x", 2.0, [1]), ("allreduce.y", 2.0, [1]), ("allreduce.z", 0.1, [1])]
     reports = {1: [(0, "allgather.x", 5.0), (3, "allreduce.y", 6.0), (0, "allgather.z", 7.0)]}
