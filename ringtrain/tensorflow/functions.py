@@ -13,7 +13,7 @@ the ops, so it works eagerly and inside ``tf.function``.
 import tensorflow as tf
 
 from . import collectives as engine
-from .mpi_ops import _run, broadcast_, global_process_set
+from .mpi_ops import broadcast_, global_process_set, with_tf_errors
 
 __all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object",
            "broadcast_global_variables"]
@@ -48,7 +48,7 @@ def broadcast_global_variables(root_rank):
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``obj`` on every member, pickled (collective; ``session``, ``name`` accepted)."""
-    return _run(lambda: engine.broadcast_object(obj, root_rank, process_set))
+    return with_tf_errors(lambda: engine.broadcast_object(obj, root_rank, process_set))
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -60,4 +60,4 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every member's ``obj``, in rank order, pickled (collective; ``session``, ``name`` accepted)."""
-    return _run(lambda: engine.allgather_object(obj, process_set))
+    return with_tf_errors(lambda: engine.allgather_object(obj, process_set))

@@ -99,10 +99,10 @@ def _translated(error):
 
 def _finish(submit):
     """``synchronize(submit())``, the engine's errors as TensorFlow's (submit may refuse, synchronize fail)."""
-    return _run(lambda: engine.synchronize(submit()))
+    return with_tf_errors(lambda: engine.synchronize(submit()))
 
 
-def _run(call):
+def with_tf_errors(call):
     """``call()``, a blocking engine call, its errors as TensorFlow's."""
     try:
         return call()
@@ -297,7 +297,7 @@ def eager_allreduce(tensor, name, op, prescale_factor, postscale_factor, process
         array = np.asarray(array)
     out = _aligned_empty(array.shape, array.dtype)
     name = engine.name_or_default(name)
-    _run(lambda: engine.allreduce(array, name, op, prescale_factor, postscale_factor, process_set, out=out))
+    with_tf_errors(lambda: engine.allreduce(array, name, op, prescale_factor, postscale_factor, process_set, out=out))
     device = _context().device_name
     if not device or "device:CPU:" in device:
         return _from_dlpack(out.__dlpack__())  # (nobody else holds out: the tensor owns it from here)
